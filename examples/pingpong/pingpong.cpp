@@ -1,0 +1,218 @@
+// stellar_pingpong: RDMA WRITE ping-pong latency, invoked like perftest's
+// ib_write_lat: the server runs without a host, the client names the server.
+//
+//   server: stellar_pingpong [-p PORT] [-s BYTES] [-n ITERATIONS] [--mode stellar|roce]
+//   client: stellar_pingpong SERVER [same options]
+//
+// Each side registers a buffer and learns the other's address and rkey from
+// the connection manager's private data. The client writes, the server waits
+// for the write to land and writes back; one-way latency = round trip / 2.
+// Messages up to one MTU are detected by polling the buffer's last byte
+// (as perftest does); larger ones by RDMA WRITE with immediate, because the
+// stellar mode may place packets of one message out of order.
+#include <CLI/CLI.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "stellar/stellar.hpp"
+
+using namespace stellar;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+struct Options {
+  std::string server;
+  uint16_t port = 18515;
+  uint32_t size = 8;
+  uint32_t iterations = 10000;
+  uint32_t warmup = 200;
+  std::string mode = "stellar";
+  std::string provider = "soft";
+  std::string bind = "127.0.0.1";
+  uint32_t mtu = 4096;
+  bool adaptive = false;
+};
+
+struct Remote {
+  uint64_t addr;
+  uint32_t rkey;
+};
+
+[[noreturn]] void fail(const std::string& what, const Status& s) {
+  std::fprintf(stderr, "stellar_pingpong: %s: %s\n", what.c_str(), s.to_string().c_str());
+  std::exit(1);
+}
+
+template <typename T>
+T check(Result<T> r, const std::string& what) {
+  if (!r) fail(what, r.status());
+  return std::move(r).value();
+}
+
+void check(Status s, const std::string& what) {
+  if (!s.ok()) fail(what, s);
+}
+
+uint8_t marker(uint32_t i) { return uint8_t(i % 255 + 1); }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  CLI::App app{"Stellar RDMA WRITE ping-pong latency (perftest ib_write_lat style)"};
+  app.add_option("server", o.server, "Server address (omit to run as the server)");
+  app.add_option("-p,--port", o.port, "Connection manager TCP port")->capture_default_str();
+  app.add_option("-s,--size", o.size, "Message size in bytes")->capture_default_str()->check(CLI::Range(1u, 1u << 26));
+  app.add_option("-n,--iters", o.iterations, "Measured iterations")->capture_default_str()->check(CLI::Range(1u, 100'000'000u));
+  app.add_option("--warmup", o.warmup, "Unmeasured iterations first")->capture_default_str();
+  app.add_option("--mode", o.mode, "Soft provider wire mode")->check(CLI::IsMember({"stellar", "roce"}))->capture_default_str();
+  app.add_option("--provider", o.provider, "Provider")->check(CLI::IsMember({"soft", "verbs"}))->capture_default_str();
+  app.add_option("--bind", o.bind, "Local IPv4 address for data and connection manager")->capture_default_str();
+  app.add_option("--mtu", o.mtu, "Payload bytes per packet")->capture_default_str();
+  app.add_flag("--adaptive", o.adaptive, "Spin then sleep instead of pure busy-polling");
+  CLI11_PARSE(app, argc, argv);
+  const bool is_server = o.server.empty();
+
+  ContextOptions co;
+  co.provider = check(parse_provider(o.provider), "provider");
+  co.mode = check(parse_mode(o.mode), "mode");
+  co.bind_address = o.bind;
+  co.mtu = o.mtu;
+  co.wait = o.adaptive ? WaitPolicy::adaptive : WaitPolicy::busy_poll;
+  auto context = check(Context::open(co), "open context");
+  auto pd = check(context->allocate_pd(), "allocate PD");
+  auto cq = check(context->create_cq(1024), "create CQ");
+  std::vector<uint8_t> buffer(o.size, 0);
+  std::vector<uint8_t> outgoing(o.size, 0);
+  auto mr = check(pd->register_memory(buffer.data(), buffer.size(), access_local_write | access_remote_write), "register memory");
+  auto out_mr = check(pd->register_memory(outgoing.data(), outgoing.size(), access_local_write), "register memory");
+  QpInitAttributes qa;
+  qa.send_cq = qa.recv_cq = cq;
+  auto qp = check(pd->create_qp(qa), "create QP");
+  const bool with_imm = o.size > o.mtu;
+  const uint32_t total = o.warmup + o.iterations;
+  if (with_imm) {
+    for (uint32_t i = 0; i < std::min<uint32_t>(total, 200); ++i) check(qp->post_recv(RecvWr{i, {}}), "post_recv");
+  }
+
+  Remote local{mr->addr(), mr->rkey()}, remote{};
+  std::vector<uint8_t> mine(sizeof local);
+  std::memcpy(mine.data(), &local, sizeof local);
+  std::vector<uint8_t> theirs;
+  if (is_server) {
+    auto listener = check(cm::Listener::listen(o.bind, o.port), "listen");
+    std::printf("# stellar_pingpong server: waiting on %s:%u (%s mode, %s provider)\n", o.bind.c_str(), listener->port(), o.mode.c_str(),
+                o.provider.c_str());
+    std::fflush(stdout);
+    auto request = check(listener->get_request(std::chrono::minutes(5)), "wait for client");
+    theirs = request->private_data();
+    check(request->accept(*qp, mine), "accept");
+  } else {
+    cm::ConnectOptions c;
+    c.private_data = mine;
+    c.timeout = std::chrono::seconds(20);
+    theirs = check(cm::connect(o.server, o.port, *qp, c), "connect").private_data;
+  }
+  if (theirs.size() != sizeof remote) fail("handshake", Status(Errc::protocol_error, "peer sent no buffer description"));
+  std::memcpy(&remote, theirs.data(), sizeof remote);
+
+  Sge sge{reinterpret_cast<uint64_t>(outgoing.data()), o.size, out_mr->lkey()};
+  SendWr wr;
+  wr.opcode = with_imm ? WrOpcode::rdma_write_with_imm : WrOpcode::rdma_write;
+  wr.sg_list = {&sge, 1};
+  wr.remote_addr = remote.addr;
+  wr.rkey = remote.rkey;
+  wr.flags = send_signaled | (o.size <= 64 ? send_inline : 0);
+  std::vector<WorkCompletion> wc(32);
+  uint32_t posted_recvs = std::min<uint32_t>(total, 200), received = 0, pending_sends = 0;
+  volatile uint8_t* last = &buffer[o.size - 1];
+
+  auto drain = [&](bool need_recv) -> bool {
+    const int n = cq->poll(wc);
+    for (int i = 0; i < n; ++i) {
+      if (wc[size_t(i)].status != WcStatus::success) {
+        std::fprintf(stderr, "stellar_pingpong: completion of wr %llu failed: %s\n", (unsigned long long)wc[size_t(i)].wr_id,
+                     to_string(wc[size_t(i)].status));
+        std::exit(1);
+      }
+      if (wc[size_t(i)].opcode == WcOpcode::recv_rdma_with_imm) {
+        ++received;
+        if (posted_recvs < total) check(qp->post_recv(RecvWr{posted_recvs++, {}}), "post_recv");
+      } else {
+        --pending_sends;
+      }
+    }
+    (void)need_recv;
+    return n > 0;
+  };
+  auto wait_for = [&](uint32_t i) {
+    const auto deadline = Clock::now() + std::chrono::seconds(10);
+    uint64_t spins = 0;
+    for (;;) {
+      if (with_imm ? received > i : *last == marker(i)) return;
+      drain(with_imm);
+      if ((++spins & 0xfff) == 0 && Clock::now() > deadline) {
+        std::fprintf(stderr, "stellar_pingpong: no message %u from the peer within 10 s\n", i);
+        std::exit(1);
+      }
+    }
+  };
+  auto send = [&](uint32_t i) {
+    outgoing[o.size - 1] = marker(i);
+    wr.wr_id = i;
+    wr.imm_data = i;
+    while (pending_sends >= 200) drain(false);
+    check(qp->post_send(wr), "post_send");
+    ++pending_sends;
+  };
+
+  std::vector<double> rtt_us;
+  rtt_us.reserve(o.iterations);
+  for (uint32_t i = 0; i < total; ++i) {
+    if (is_server) {
+      wait_for(i);
+      send(i);
+    } else {
+      const auto start = Clock::now();
+      send(i);
+      wait_for(i);
+      if (i >= o.warmup) rtt_us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - start).count());
+    }
+  }
+  // Let the last acknowledgements cross (ours are delayed a few microseconds
+  // to ride on data) so that neither side sees a dead peer.
+  const auto linger = Clock::now() + std::chrono::milliseconds(100);
+  const auto minimum = Clock::now() + std::chrono::milliseconds(20);
+  while (Clock::now() < linger && (pending_sends > 0 || Clock::now() < minimum)) drain(false);
+
+  if (!is_server) {
+    std::vector<double> one_way(rtt_us.size());
+    std::transform(rtt_us.begin(), rtt_us.end(), one_way.begin(), [](double r) { return r / 2; });
+    std::sort(one_way.begin(), one_way.end());
+    double sum = 0, squares = 0;
+    for (double v : one_way) sum += v;
+    const double avg = sum / double(one_way.size());
+    for (double v : one_way) squares += (v - avg) * (v - avg);
+    auto pct = [&](double p) { return one_way[std::min(one_way.size() - 1, size_t(p / 100 * double(one_way.size())))]; };
+    std::printf("---------------------------------------------------------------------------------------\n");
+    std::printf(" RDMA_Write Latency Test (stellar_pingpong)  provider: %s  mode: %s  MTU: %u\n", o.provider.c_str(), o.mode.c_str(), o.mtu);
+    std::printf("---------------------------------------------------------------------------------------\n");
+    std::printf(" #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    t_avg[usec]    t_stdev[usec]   99%% percentile[usec]   99.9%% percentile[usec]\n");
+    std::printf(" %-7u %-10zu %-14.2f %-14.2f %-16.2f %-14.2f %-15.2f %-22.2f %.2f\n", o.size, one_way.size(), one_way.front(),
+                one_way.back(), one_way[one_way.size() / 2], avg, std::sqrt(squares / double(one_way.size())), pct(99), pct(99.9));
+    std::printf("---------------------------------------------------------------------------------------\n");
+    const ContextCounters c = context->counters();
+    std::printf("# packets tx %llu rx %llu, retransmitted %llu, timeouts %llu, faults dropped %llu duplicated %llu reordered %llu\n",
+                (unsigned long long)c.tx_packets, (unsigned long long)c.rx_packets, (unsigned long long)c.retransmitted_packets,
+                (unsigned long long)c.timeouts, (unsigned long long)c.fault_dropped, (unsigned long long)c.fault_duplicated,
+                (unsigned long long)c.fault_reordered);
+  }
+  return 0;
+}

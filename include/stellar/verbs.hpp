@@ -1,0 +1,272 @@
+// Stellar's verbs-shaped API: context, protection domain, memory region,
+// completion queue and RC queue pair, with the semantics of libibverbs
+// (design.md, principle 2). A user who knows verbs knows this.
+//
+// Ownership: objects are handed out as std::shared_ptr; a child keeps its
+// parents alive (a QP keeps its PD, CQs and context). Memory regions are
+// std::unique_ptr: destroying one deregisters it.
+//
+// Thread-safety: every object may be used from several threads; calls on one
+// QP (post_send) and one CQ (poll) are serialised internally. Buffers named
+// in work requests must stay valid until their completion is polled.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "stellar/status.hpp"
+
+namespace stellar {
+
+enum class Provider { soft, verbs };
+enum class Mode { stellar, roce };  // soft provider wire protocol (design.md, principle 3)
+enum class ProgressMode {
+  inline_poll,  // the caller's poll/wait drives the transport (lowest latency, no extra thread)
+  thread,       // a dedicated engine thread drives it
+};
+enum class WaitPolicy {
+  busy_poll,  // spin: lowest latency, one core per context
+  adaptive,   // spin for spin_time, then sleep in the kernel until a packet or timer
+};
+enum class CongestionControl { automatic, none, dcqcn, swift };  // automatic: dcqcn for roce, swift for stellar
+
+const char* to_string(Provider);
+const char* to_string(Mode);
+Result<Provider> parse_provider(const std::string&);
+Result<Mode> parse_mode(const std::string&);
+
+// Fault injection of the soft provider, applied to datagrams it sends.
+// Probabilities in [0, 1].
+struct FaultOptions {
+  double drop = 0;
+  double duplicate = 0;
+  double reorder = 0;  // the datagram is held back and sent after the next one
+  uint64_t seed = 0;   // 0: a random seed
+  // STELLAR_FAULT_DROP, STELLAR_FAULT_DUP, STELLAR_FAULT_REORDER (e.g. "0.01"),
+  // STELLAR_FAULT_SEED; unset variables keep `base`'s values.
+  static Result<FaultOptions> from_environment(const FaultOptions& base);
+};
+
+struct ContextOptions {
+  Provider provider = Provider::soft;
+  Mode mode = Mode::stellar;
+  std::string bind_address = "127.0.0.1";  // IPv4 address the soft provider's UDP socket binds
+  uint16_t udp_port = 0;                   // 0: any free port (roce mode tries 4791 first)
+  uint32_t mtu = 4096;                     // payload bytes per packet
+  ProgressMode progress = ProgressMode::inline_poll;
+  WaitPolicy wait = WaitPolicy::busy_poll;
+  std::chrono::nanoseconds spin_time{50'000};  // adaptive: spin this long before sleeping
+  CongestionControl congestion_control = CongestionControl::automatic;
+  uint64_t line_rate_bps = 100'000'000'000ull;  // ceiling for rate-based congestion control
+  FaultOptions faults{};                       // merged with the environment at open
+  std::string device;                          // verbs provider: device name ("" = first)
+};
+
+// Memory access rights (ibv_access_flags).
+enum Access : uint32_t {
+  access_local_write = 1,
+  access_remote_write = 2,
+  access_remote_read = 4,
+  access_remote_atomic = 8,
+};
+
+struct Sge {
+  uint64_t addr = 0;
+  uint32_t length = 0;
+  uint32_t lkey = 0;
+};
+
+enum class WrOpcode { send, send_with_imm, rdma_write, rdma_write_with_imm, rdma_read, atomic_fetch_add, atomic_cmp_swap };
+
+enum SendFlags : uint32_t {
+  send_signaled = 1,   // generate a completion on success (errors always complete)
+  send_inline = 2,     // copy the payload at post time; lkeys are not checked (<= max_inline_data)
+  send_solicited = 4,
+};
+
+struct SendWr {
+  uint64_t wr_id = 0;
+  WrOpcode opcode = WrOpcode::send;
+  uint32_t flags = send_signaled;
+  std::span<const Sge> sg_list;
+  uint64_t remote_addr = 0;  // RDMA and atomics; atomics need 8-byte alignment
+  uint32_t rkey = 0;
+  uint32_t imm_data = 0;     // host order
+  uint64_t compare_add = 0;  // fetch_add: addend; cmp_swap: compare value
+  uint64_t swap = 0;         // cmp_swap: value stored on match
+};
+
+struct RecvWr {
+  uint64_t wr_id = 0;
+  std::span<const Sge> sg_list;
+};
+
+// Mirrors ibv_wc_status.
+enum class WcStatus {
+  success,
+  local_length_error,
+  local_qp_operation_error,
+  local_protection_error,
+  work_request_flushed,
+  bad_response,
+  remote_invalid_request,
+  remote_access_error,
+  remote_operation_error,
+  retry_exceeded,
+  rnr_retry_exceeded,
+};
+enum class WcOpcode { send, rdma_write, rdma_read, compare_swap, fetch_add, recv, recv_rdma_with_imm };
+const char* to_string(WcStatus);
+const char* to_string(WcOpcode);
+
+struct WorkCompletion {
+  uint64_t wr_id = 0;
+  WcStatus status = WcStatus::success;
+  WcOpcode opcode = WcOpcode::send;
+  uint32_t byte_len = 0;
+  uint32_t imm_data = 0;
+  bool has_imm = false;
+  uint32_t qp_num = 0;
+};
+
+class CompletionQueue {
+ public:
+  virtual ~CompletionQueue() = default;
+  // Takes up to out.size() completions, oldest first; never blocks. In
+  // inline progress mode this also drives the transport. Returns the count.
+  virtual int poll(std::span<WorkCompletion> out) = 0;
+  // Blocks until at least one completion or `timeout`; uses the context's
+  // wait policy. Errc::timeout when nothing arrived.
+  virtual Result<int> wait(std::span<WorkCompletion> out, std::chrono::nanoseconds timeout) = 0;
+  // A file descriptor for epoll: readable after request_notify() once a
+  // completion is queued (like ibv_req_notify_cq + the channel fd). Read 8
+  // bytes to clear it. In inline mode, call poll() when it (or the context's
+  // progress_fd) is readable.
+  virtual int fd() const = 0;
+  virtual Status request_notify() = 0;
+  virtual uint32_t capacity() const = 0;
+};
+
+enum class QpState { reset, init, rtr, rts, error };
+const char* to_string(QpState);
+
+struct QpCapabilities {
+  uint32_t max_send_wr = 256;
+  uint32_t max_recv_wr = 256;
+  uint32_t max_send_sge = 16;
+  uint32_t max_recv_sge = 16;
+  uint32_t max_inline_data = 256;
+};
+
+struct QpInitAttributes {
+  std::shared_ptr<CompletionQueue> send_cq;
+  std::shared_ptr<CompletionQueue> recv_cq;
+  QpCapabilities cap{};
+};
+
+// What a peer needs to connect to a QP (exchanged by the connection manager).
+struct QpEndpoint {
+  std::string address;  // IPv4 of the peer's UDP socket
+  uint16_t udp_port = 0;
+  uint32_t qp_num = 0;
+  uint32_t psn = 0;     // first PSN that side sends
+  uint32_t mtu = 4096;
+  uint16_t pkey = 0xffff;
+  Mode mode = Mode::stellar;
+};
+
+// Transport timing of a QP (set at RTR/RTS, like ibv_qp_attr.timeout/retry_cnt).
+struct QpTiming {
+  std::chrono::nanoseconds rto_min{1'000'000};
+  std::chrono::nanoseconds rto_max{64'000'000};
+  uint32_t retry_count = 7;  // consecutive timeouts before retry_exceeded
+  uint32_t rnr_retry = 7;    // 7: retry forever
+};
+
+struct QpModify {
+  QpState state = QpState::init;
+  uint32_t access = access_local_write | access_remote_write | access_remote_read | access_remote_atomic;  // INIT
+  QpEndpoint remote{};  // RTR
+  QpTiming timing{};    // RTR
+};
+
+class QueuePair {
+ public:
+  virtual ~QueuePair() = default;
+  virtual uint32_t qp_num() const = 0;
+  virtual QpState state() const = 0;
+  // The verbs state machine: RESET->INIT->RTR->RTS, any->ERROR, any->RESET is
+  // not supported (create a new QP). Invalid transitions fail with wrong_state.
+  virtual Status modify(const QpModify&) = 0;
+  // Valid in RTS (sends) and INIT/RTR/RTS (receives); ERROR completes the
+  // request at once with work_request_flushed. Misuse fails and changes nothing.
+  virtual Status post_send(const SendWr&) = 0;
+  virtual Status post_recv(const RecvWr&) = 0;
+  virtual QpEndpoint local_endpoint() const = 0;
+};
+
+class MemoryRegion {
+ public:
+  virtual ~MemoryRegion() = default;
+  virtual uint32_t lkey() const = 0;
+  virtual uint32_t rkey() const = 0;
+  virtual uint64_t addr() const = 0;
+  virtual uint64_t length() const = 0;
+  virtual uint32_t access() const = 0;
+};
+
+class ProtectionDomain {
+ public:
+  virtual ~ProtectionDomain() = default;
+  // Registers [addr, addr+length). Keys are random, never sequential, and
+  // unique within the PD's tenant. The memory must outlive the region.
+  virtual Result<std::unique_ptr<MemoryRegion>> register_memory(void* addr, size_t length, uint32_t access) = 0;
+  virtual Result<std::shared_ptr<QueuePair>> create_qp(const QpInitAttributes&) = 0;
+  virtual const std::string& tenant() const = 0;
+};
+
+struct TenantOptions {
+  uint16_t pkey = 0;  // partition key on the wire; 0 picks a free one
+};
+
+// Provider-wide counters: everything dropped or retransmitted is counted.
+struct ContextCounters {
+  uint64_t tx_packets = 0, tx_bytes = 0, rx_packets = 0, rx_bytes = 0;
+  uint64_t retransmitted_packets = 0, timeouts = 0;
+  uint64_t rx_dropped_malformed = 0;      // truncated, bad checksum, bad opcode/version
+  uint64_t rx_dropped_unknown_qp = 0;     // no QP with that number in that tenant
+  uint64_t rx_dropped_out_of_window = 0;  // PSN outside the window
+  uint64_t rx_duplicates = 0;
+  uint64_t rx_access_errors = 0;          // forged rkey, bounds, rights
+  uint64_t rnr_naks_sent = 0;
+  uint64_t fault_dropped = 0, fault_duplicated = 0, fault_reordered = 0;
+  uint64_t send_errors = 0;               // sendmmsg failures (e.g. ENOBUFS)
+};
+
+class Context : public std::enable_shared_from_this<Context> {
+ public:
+  // Opens a provider. verbs without an RDMA device fails with no_device.
+  static Result<std::shared_ptr<Context>> open(const ContextOptions& = {});
+  virtual ~Context() = default;
+
+  // A tenant owns its own QP-number and memory-key spaces and partition key;
+  // a packet or key of another tenant never matches. "" is the default tenant.
+  virtual Status create_tenant(const std::string& name, const TenantOptions& = {}) = 0;
+  virtual Result<std::shared_ptr<ProtectionDomain>> allocate_pd(const std::string& tenant = "") = 0;
+  virtual Result<std::shared_ptr<CompletionQueue>> create_cq(uint32_t entries) = 0;
+
+  // Drives the transport once (inline mode); a no-op with an engine thread.
+  virtual void progress() = 0;
+  // Readable when datagrams wait (inline mode: add it to epoll next to CQ fds).
+  virtual int progress_fd() const = 0;
+  virtual ContextCounters counters() const = 0;
+  virtual const ContextOptions& options() const = 0;
+  // Address and port of the soft provider's UDP socket.
+  virtual std::string local_address() const = 0;
+  virtual uint16_t local_port() const = 0;
+};
+
+}  // namespace stellar

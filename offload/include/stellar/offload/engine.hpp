@@ -1,0 +1,218 @@
+// The offload engine: one reliable-connection (RC) queue pair's transport as a
+// pure state machine (design.md, principle 1).
+//
+// The host drives it: it posts work, hands in received datagrams together with
+// the current time, asks for datagrams to send, and asks when the next timer
+// is due. The engine never blocks, reads a clock, opens a socket, takes a lock
+// or allocates after construction. Everything it needs from the outside comes
+// through two narrow interfaces: MemoryAccess (registered memory of the QP's
+// protection domain) and CompletionSink (where work completions go).
+//
+// Thread-safety: none. One engine is driven by one thread at a time; the
+// provider serialises access.
+//
+// Time is in nanoseconds on any monotonic clock chosen by the host.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "stellar/offload/cc.hpp"
+#include "stellar/offload/wire.hpp"
+
+namespace stellar::offload {
+
+inline constexpr uint32_t max_segments = 16;      // scatter/gather entries per work request
+inline constexpr uint32_t max_inline_bytes = 256;  // inline data per work request
+
+enum class WorkOpcode : uint8_t {
+  send,
+  send_with_imm,
+  rdma_write,
+  rdma_write_with_imm,
+  rdma_read,
+  atomic_fetch_add,
+  atomic_compare_swap,
+};
+
+// Mirrors ibv_wc_status for the statuses a software RC transport can produce.
+enum class CompletionStatus : uint8_t {
+  success,
+  local_length_error,
+  local_qp_operation_error,
+  local_protection_error,
+  work_request_flushed,
+  bad_response,
+  remote_invalid_request,
+  remote_access_error,
+  remote_operation_error,
+  retry_exceeded,
+  rnr_retry_exceeded,
+};
+const char* to_string(CompletionStatus);
+
+enum class CompletionOpcode : uint8_t {
+  send,
+  rdma_write,
+  rdma_read,
+  compare_swap,
+  fetch_add,
+  receive,
+  receive_rdma_with_imm,
+};
+const char* to_string(CompletionOpcode);
+
+// Memory the engine may read or write: already checked against the lkey and
+// access rights by whoever built the work request.
+struct Segment {
+  uint8_t* address = nullptr;
+  uint32_t length = 0;
+};
+
+struct SendWork {
+  uint64_t wr_id = 0;
+  WorkOpcode opcode = WorkOpcode::send;
+  bool signaled = true;
+  bool solicited = false;
+  bool inline_data = false;  // copy the payload at post time (<= max_inline_bytes)
+  uint32_t segment_count = 0;
+  Segment segments[max_segments];
+  uint64_t remote_addr = 0;  // RDMA and atomics
+  uint32_t rkey = 0;
+  uint32_t imm = 0;            // *_with_imm, host order
+  uint64_t compare_add = 0;    // fetch_add: the addend; compare_swap: the compare value
+  uint64_t swap = 0;           // compare_swap: the new value
+};
+
+struct ReceiveWork {
+  uint64_t wr_id = 0;
+  uint32_t segment_count = 0;
+  Segment segments[max_segments];
+};
+
+struct Completion {
+  uint64_t wr_id = 0;
+  CompletionStatus status = CompletionStatus::success;
+  CompletionOpcode opcode = CompletionOpcode::send;
+  uint32_t byte_length = 0;  // receives: bytes placed (or written, for RDMA WRITE with immediate)
+  uint32_t imm = 0;
+  bool has_imm = false;
+  uint32_t qp_number = 0;
+  bool is_receive() const { return opcode == CompletionOpcode::receive || opcode == CompletionOpcode::receive_rdma_with_imm; }
+};
+
+// Access rights a remote operation needs (the same bits as the public API).
+enum : uint32_t {
+  access_local_write = 1,
+  access_remote_write = 2,
+  access_remote_read = 4,
+  access_remote_atomic = 8,
+};
+
+// Registered memory of the QP's protection domain. resolve returns where
+// [address, address + length) lives if rkey names a region of this PD (and
+// tenant) that contains the whole range and grants `access`; nullptr
+// otherwise. Must not allocate; called per packet.
+class MemoryAccess {
+ public:
+  virtual ~MemoryAccess() = default;
+  virtual uint8_t* resolve(uint32_t rkey, uint64_t address, uint64_t length, uint32_t access) = 0;
+};
+
+class CompletionSink {
+ public:
+  virtual ~CompletionSink() = default;
+  virtual void deliver(const Completion&) = 0;
+};
+
+struct EngineConfig {
+  Mode mode = Mode::stellar;
+  uint32_t mtu = 4096;             // payload bytes per packet (path MTU as RoCE counts it)
+  uint32_t max_send_wr = 256;
+  uint32_t max_recv_wr = 256;
+  uint32_t window_packets = 16384;  // PSNs in flight; power of two
+  uint16_t pkey = default_pkey;    // the tenant's partition key
+  uint32_t local_qpn = 0;
+  uint32_t remote_qpn = 0;
+  uint32_t send_psn = 0;           // first PSN this side sends
+  uint32_t receive_psn = 0;        // first PSN expected from the peer
+  uint64_t rto_initial_ns = 1'000'000;
+  uint64_t rto_min_ns = 1'000'000;
+  uint64_t rto_max_ns = 64'000'000;
+  uint32_t retry_count = 7;        // timeouts without progress before retry_exceeded
+  uint32_t rnr_retry = 7;          // 7 = retry forever, as in verbs
+  uint64_t rnr_delay_ns = 100'000;
+  uint64_t ack_delay_ns = 10'000;  // hold a pure ACK this long hoping to piggy-back it
+  uint32_t ack_every_packets = 16;
+  uint32_t max_read_responses = 64;  // outstanding inbound READs served at once
+  CcAlgorithm cc = CcAlgorithm::none;
+  CcConfig cc_config{};
+  IcrcAddresses tx_addresses{};    // roce mode ICRC of what we send
+};
+
+struct TxBuffer {
+  uint8_t* data = nullptr;
+  uint32_t capacity = 0;  // >= mtu + max_header_bytes
+  uint32_t length = 0;    // set by the engine
+};
+
+struct EngineCounters {
+  uint64_t tx_packets = 0, tx_bytes = 0, rx_packets = 0, rx_bytes = 0;
+  uint64_t retransmitted_packets = 0, timeouts = 0, fast_retransmits = 0;
+  uint64_t acks_sent = 0, naks_sent = 0, rnr_naks_sent = 0, rnr_naks_received = 0, sequence_naks_received = 0;
+  uint64_t duplicates = 0;          // requests already seen (re-acknowledged)
+  uint64_t out_of_window = 0;       // PSN outside the acceptance window: dropped
+  uint64_t out_of_order = 0;        // accepted ahead of a gap (stellar) or dropped (roce)
+  uint64_t access_errors = 0;       // bad rkey / bounds / rights: NAK, nothing written
+  uint64_t invalid_requests = 0;    // malformed but well-checksummed requests: NAK
+  uint64_t decode_errors = 0;       // truncated, bad opcode, bad checksum: dropped
+  uint64_t unexpected_packets = 0;  // responses/acks that match nothing outstanding: dropped
+  uint64_t completions = 0;
+};
+
+enum class PostResult : uint8_t { ok, queue_full, invalid_argument, qp_in_error };
+
+class QpEngine {
+ public:
+  // Allocates every ring it will ever use. The references must outlive it.
+  QpEngine(const EngineConfig&, MemoryAccess&, CompletionSink&);
+  ~QpEngine();
+  QpEngine(const QpEngine&) = delete;
+  QpEngine& operator=(const QpEngine&) = delete;
+
+  PostResult post_send(const SendWork&, uint64_t now_ns);
+  PostResult post_receive(const ReceiveWork&);
+
+  // A datagram from the peer. `addresses` describe it as received (source =
+  // the peer); only roce mode uses them (ICRC).
+  void receive(const uint8_t* data, size_t length, const IcrcAddresses& addresses, uint64_t now_ns);
+  // The same for an already decoded packet (tests, fuzzing).
+  void receive_decoded(const Header&, uint64_t now_ns);
+
+  // Fills up to `count` buffers with datagrams due now (responses, retransmits,
+  // new data, ACKs, in that order) and returns how many.
+  size_t transmit(TxBuffer* buffers, size_t count, uint64_t now_ns);
+
+  // The earliest time transmit() could produce something without new input;
+  // UINT64_MAX when idle. now_ns or earlier means "call transmit now".
+  uint64_t next_wakeup_ns(uint64_t now_ns) const;
+
+  // Moves to the error state: everything posted completes with
+  // work_request_flushed (verbs semantics of a QP in ERROR).
+  void enter_error();
+  bool in_error() const;
+
+  uint32_t outstanding_sends() const;
+  const EngineCounters& counters() const;
+  const EngineConfig& config() const;
+  uint64_t rto_ns() const;
+  uint64_t smoothed_rtt_ns() const;
+  const CongestionControl& congestion_control() const;
+
+ private:
+  struct State;
+  std::unique_ptr<State> s_;
+};
+
+}  // namespace stellar::offload

@@ -1,0 +1,152 @@
+// Wire codecs of the two transport modes. Pure functions over byte buffers:
+// no allocation, no I/O. Thread-safe (no shared state).
+//
+// Both modes share one decoded representation, `Header`, and the RoCE (IBTA
+// RC) opcode numbering; they differ in how headers are laid out on the wire
+// and in which fields exist:
+//   - Mode::roce    BTH [+RETH|AtomicETH|AETH|AtomicAckETH] [+ImmDt] payload ICRC
+//                   exactly as a RoCEv2 NIC puts them in a UDP datagram
+//                   (destination port 4791). 24-bit PSNs.
+//   - Mode::stellar the project's header (docs/wire-format.md): every data
+//                   packet says where it goes (message offset, remote address)
+//                   so it can be placed in any order; acknowledgements carry a
+//                   SACK bitmap and ride on data packets. 32-bit PSNs.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace stellar::offload {
+
+enum class Mode : uint8_t { stellar, roce };
+const char* to_string(Mode);
+
+// IBTA RC opcodes (low 5 bits; transport bits 000 = RC).
+namespace opcode {
+inline constexpr uint8_t send_first = 0x00;
+inline constexpr uint8_t send_middle = 0x01;
+inline constexpr uint8_t send_last = 0x02;
+inline constexpr uint8_t send_last_imm = 0x03;
+inline constexpr uint8_t send_only = 0x04;
+inline constexpr uint8_t send_only_imm = 0x05;
+inline constexpr uint8_t write_first = 0x06;
+inline constexpr uint8_t write_middle = 0x07;
+inline constexpr uint8_t write_last = 0x08;
+inline constexpr uint8_t write_last_imm = 0x09;
+inline constexpr uint8_t write_only = 0x0a;
+inline constexpr uint8_t write_only_imm = 0x0b;
+inline constexpr uint8_t read_request = 0x0c;
+inline constexpr uint8_t read_response_first = 0x0d;
+inline constexpr uint8_t read_response_middle = 0x0e;
+inline constexpr uint8_t read_response_last = 0x0f;
+inline constexpr uint8_t read_response_only = 0x10;
+inline constexpr uint8_t acknowledge = 0x11;
+inline constexpr uint8_t atomic_acknowledge = 0x12;
+inline constexpr uint8_t compare_swap = 0x13;
+inline constexpr uint8_t fetch_add = 0x14;
+inline constexpr uint8_t last_valid = fetch_add;
+}  // namespace opcode
+
+// AETH syndromes (IBTA 9.7.5.1): high 3 bits select ACK / RNR NAK / NAK.
+namespace syndrome {
+inline constexpr uint8_t ack = 0x1f;              // ACK, credit field "invalid"
+inline constexpr uint8_t rnr_nak = 0x20;          // | timer value (low 5 bits)
+inline constexpr uint8_t nak_psn_sequence = 0x60;
+inline constexpr uint8_t nak_invalid_request = 0x61;
+inline constexpr uint8_t nak_remote_access = 0x62;
+inline constexpr uint8_t nak_remote_operation = 0x63;
+inline bool is_ack(uint8_t s) { return (s & 0xe0) == 0x00; }
+inline bool is_rnr(uint8_t s) { return (s & 0xe0) == 0x20; }
+inline bool is_nak(uint8_t s) { return (s & 0xe0) == 0x60; }
+}  // namespace syndrome
+
+inline constexpr uint16_t roce_udp_port = 4791;
+inline constexpr size_t max_header_bytes = 96;  // upper bound of any mode's headers + trailer
+inline constexpr uint16_t default_pkey = 0xffff;
+
+// Opcode classification helpers.
+bool opcode_is_send(uint8_t op);
+bool opcode_is_write(uint8_t op);
+bool opcode_is_read_response(uint8_t op);
+bool opcode_has_imm(uint8_t op);
+bool opcode_is_first(uint8_t op);  // first or only packet of a message
+bool opcode_is_last(uint8_t op);   // last or only packet of a message
+bool opcode_is_request(uint8_t op);  // travels requester -> responder
+
+// Decoded packet, both modes. Fields a mode or opcode lacks are zero.
+struct Header {
+  uint8_t opcode = 0;
+  bool ack_request = false;
+  bool solicited = false;
+  uint16_t pkey = default_pkey;  // partition key; carries the tenant
+  uint32_t dest_qpn = 0;
+  uint32_t psn = 0;
+  // RETH (write first/only, read request) or, in stellar mode, every
+  // write/read packet: start address of the message, rkey, total length.
+  uint64_t remote_addr = 0;
+  uint32_t rkey = 0;
+  uint32_t dma_length = 0;
+  // stellar mode only: byte offset of this packet in its message and the
+  // sequence number of receive-consuming messages (SEND, WRITE_WITH_IMM).
+  uint32_t message_offset = 0;
+  uint32_t message_length = 0;
+  uint32_t receive_sequence = 0;
+  // AETH
+  uint8_t syndrome = 0;
+  uint32_t msn = 0;
+  // AtomicETH / AtomicAckETH
+  uint64_t swap_add = 0;
+  uint64_t compare = 0;
+  uint64_t atomic_original = 0;
+  // ImmDt (host order)
+  uint32_t imm = 0;
+  // stellar mode: piggy-backed acknowledgement of the reverse direction.
+  bool has_ack = false;
+  uint32_t ack_psn = 0;        // every PSN before this one has arrived
+  uint64_t sack_bitmap = 0;    // bit i: ack_psn + 1 + i has arrived
+  // Payload (points into the decoded buffer).
+  const uint8_t* payload = nullptr;
+  uint32_t payload_length = 0;
+};
+
+// Addresses that enter the RoCEv2 ICRC (the masked IPv4 + UDP pseudo
+// header). Network byte order for addresses, host order for ports.
+struct IcrcAddresses {
+  uint32_t source_ip = 0;
+  uint32_t destination_ip = 0;
+  uint16_t source_port = 0;
+  uint16_t destination_port = roce_udp_port;
+};
+
+enum class DecodeError : uint8_t {
+  none,
+  truncated,
+  bad_version,
+  bad_opcode,
+  bad_checksum,
+  bad_length,
+};
+const char* to_string(DecodeError);
+
+// Size of the headers (without payload, with trailer) `h` encodes to.
+size_t encoded_header_bytes(Mode, const Header& h);
+
+// Writes h and `payload_length` bytes of payload, already placed at
+// out + payload_offset(mode, h), into out. Returns the datagram length or 0 if
+// `capacity` is too small. Computes the trailer (ICRC / CRC32).
+size_t payload_offset(Mode, const Header& h);
+size_t encode(Mode, const Header& h, uint8_t* out, size_t capacity, const IcrcAddresses& addresses);
+
+// Parses and verifies a datagram. On success fills h (payload points into
+// data) and returns DecodeError::none.
+DecodeError decode(Mode, const uint8_t* data, size_t length, const IcrcAddresses& addresses, Header& h);
+
+// Reads only the demultiplexing fields (pkey, destination QPN) without
+// verifying anything else; false when the datagram is too short.
+bool peek_destination(Mode, const uint8_t* data, size_t length, uint16_t& pkey, uint32_t& dest_qpn);
+
+// RoCEv2 ICRC of a complete datagram whose last 4 bytes are the ICRC slot
+// (their value is ignored). Exposed for tests and benchmarks.
+uint32_t roce_icrc(const uint8_t* datagram, size_t length, const IcrcAddresses& addresses);
+
+}  // namespace stellar::offload

@@ -1,0 +1,1389 @@
+// RC transport state machine. See engine.hpp for the contract and
+// docs/wire-format.md for what goes on the wire. The requester and the
+// responder halves of a QP live in one State because packets of both
+// directions carry each other's acknowledgements.
+#include "stellar/offload/engine.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+
+namespace stellar::offload {
+
+namespace {
+
+constexpr uint64_t never = std::numeric_limits<uint64_t>::max();
+constexpr uint32_t duplicate_threshold = 3;  // later packets acknowledged before a hole counts as lost
+constexpr uint32_t pending_capacity = 16;     // stellar: READ/atomic requests that arrived ahead of a gap
+constexpr uint32_t control_capacity = 256;
+constexpr uint32_t atomic_replay_capacity = 32;
+
+enum SlotFlags : uint8_t { slot_sent = 1, slot_done = 2, slot_lost = 4, slot_retransmitted = 8, slot_in_flight = 16 };
+
+struct SendWqe {
+  SendWork work;
+  uint8_t inline_data[max_inline_bytes];
+  uint32_t length = 0;
+  uint32_t first_psn = 0;
+  uint32_t packet_count = 0;
+  uint32_t receive_sequence = 0;
+  CompletionStatus status = CompletionStatus::success;
+  bool failed = false;
+};
+
+struct Slot {
+  uint32_t wqe = 0;
+  uint8_t flags = 0;
+  uint64_t sent_ns = 0;
+};
+
+struct ReceiveWqe {
+  ReceiveWork work;
+  uint64_t capacity = 0;
+  uint32_t byte_length = 0;
+  uint32_t last_psn = 0;
+  uint32_t imm = 0;
+  bool last_seen = false;
+  bool has_imm = false;
+  bool rdma_with_imm = false;
+  CompletionStatus status = CompletionStatus::success;
+};
+
+struct ReadResponse {
+  uint32_t psn = 0;
+  uint64_t address = 0;
+  uint32_t rkey = 0;
+  uint32_t length = 0;
+  uint32_t packets = 0;
+  uint32_t sent = 0;
+};
+
+struct Control {
+  uint8_t opcode = opcode::acknowledge;
+  uint8_t syndrome = syndrome::ack;
+  uint32_t psn = 0;
+  uint64_t atomic_original = 0;
+};
+
+struct AtomicReplay {
+  uint32_t psn = 0;
+  uint64_t original = 0;
+  bool valid = false;
+};
+
+// Copies between a scatter/gather list and a contiguous buffer.
+void gather(const Segment* segments, uint32_t count, uint64_t offset, uint8_t* out, uint32_t length) {
+  for (uint32_t i = 0; i < count && length > 0; ++i) {
+    if (offset >= segments[i].length) {
+      offset -= segments[i].length;
+      continue;
+    }
+    const uint32_t n = uint32_t(std::min<uint64_t>(segments[i].length - offset, length));
+    std::memcpy(out, segments[i].address + offset, n);
+    out += n;
+    length -= n;
+    offset = 0;
+  }
+}
+
+void scatter(const Segment* segments, uint32_t count, uint64_t offset, const uint8_t* in, uint32_t length) {
+  for (uint32_t i = 0; i < count && length > 0; ++i) {
+    if (offset >= segments[i].length) {
+      offset -= segments[i].length;
+      continue;
+    }
+    const uint32_t n = uint32_t(std::min<uint64_t>(segments[i].length - offset, length));
+    std::memcpy(segments[i].address + offset, in, n);
+    in += n;
+    length -= n;
+    offset = 0;
+  }
+}
+
+CompletionOpcode completion_opcode(WorkOpcode op) {
+  switch (op) {
+    case WorkOpcode::send:
+    case WorkOpcode::send_with_imm: return CompletionOpcode::send;
+    case WorkOpcode::rdma_write:
+    case WorkOpcode::rdma_write_with_imm: return CompletionOpcode::rdma_write;
+    case WorkOpcode::rdma_read: return CompletionOpcode::rdma_read;
+    case WorkOpcode::atomic_fetch_add: return CompletionOpcode::fetch_add;
+    case WorkOpcode::atomic_compare_swap: return CompletionOpcode::compare_swap;
+  }
+  return CompletionOpcode::send;
+}
+
+bool is_atomic(WorkOpcode op) { return op == WorkOpcode::atomic_fetch_add || op == WorkOpcode::atomic_compare_swap; }
+bool needs_response(WorkOpcode op) { return op == WorkOpcode::rdma_read || is_atomic(op); }
+bool consumes_receive(WorkOpcode op) {
+  return op == WorkOpcode::send || op == WorkOpcode::send_with_imm || op == WorkOpcode::rdma_write_with_imm;
+}
+
+CompletionStatus status_from_syndrome(uint8_t s) {
+  switch (s) {
+    case syndrome::nak_remote_access: return CompletionStatus::remote_access_error;
+    case syndrome::nak_remote_operation: return CompletionStatus::remote_operation_error;
+    default: return CompletionStatus::remote_invalid_request;
+  }
+}
+
+}  // namespace
+
+struct QpEngine::State {
+  EngineConfig config;
+  MemoryAccess& memory;
+  CompletionSink& sink;
+  std::unique_ptr<CongestionControl> cc;
+  EngineCounters counters;
+  uint32_t psn_mask;
+  uint32_t window_mask;
+  bool error = false;
+
+  // ---------------- requester ----------------
+  std::vector<SendWqe> sq;
+  uint32_t sq_head = 0, sq_count = 0;
+  uint32_t send_cursor = 0;       // WQE that holds send_psn (valid while send_psn != assign_psn)
+  std::vector<Slot> slots;        // indexed by PSN & window_mask, valid in [una, max_sent)
+  uint32_t una = 0;               // oldest PSN not done
+  uint32_t send_psn = 0;          // next PSN to transmit in order (roce rewinds it)
+  uint32_t max_sent = 0;          // one past the highest PSN ever transmitted
+  uint32_t assign_psn = 0;        // next PSN a posted WQE gets
+  uint32_t acked_upto = 0;        // cumulative acknowledgements already applied
+  uint32_t highest_done = 0;      // one past the highest PSN done (loss detection)
+  uint32_t loss_scan = 0;
+  uint32_t next_receive_sequence = 0;
+  std::vector<uint32_t> lost;     // stellar: PSNs to retransmit, ring
+  uint32_t lost_head = 0, lost_count = 0;
+  uint32_t inflight_packets = 0;
+  uint64_t rto_deadline = never;
+  uint64_t rto = 0;
+  uint64_t srtt = 0, rttvar = 0;
+  uint32_t consecutive_timeouts = 0;
+  uint32_t consecutive_rnr = 0;
+  uint64_t rnr_until = 0;
+  bool fatal = false;             // a NAK failed a WQE: send nothing at or after fatal_psn
+  uint32_t fatal_psn = 0;
+
+  // ---------------- responder ----------------
+  std::vector<ReceiveWqe> rq;
+  uint32_t rq_head = 0, rq_count = 0;
+  uint32_t rq_head_sequence = 0;  // receive sequence of rq[rq_head]
+  uint32_t epsn = 0;              // every PSN before this one has arrived
+  std::vector<uint8_t> received;  // stellar: arrival marks for [epsn, epsn + window)
+  uint32_t msn = 0;
+  std::vector<ReadResponse> reads;
+  uint32_t reads_head = 0, reads_count = 0;
+  std::vector<Control> control;
+  uint32_t control_head = 0, control_count = 0;
+  AtomicReplay atomic_replay[atomic_replay_capacity];
+  uint32_t atomic_replay_next = 0;
+  Header pending[pending_capacity];
+  bool pending_used[pending_capacity] = {};
+  uint32_t unacked = 0;
+  uint64_t ack_due = never;
+  bool sequence_nak_sent = false;  // roce: one NAK per gap
+  bool responder_failed = false;
+  uint32_t responder_failed_psn = 0;
+  uint8_t responder_failed_syndrome = 0;
+  // roce in-order placement cursors
+  bool roce_in_send = false, roce_in_write = false;
+  uint32_t roce_send_offset = 0;
+  uint32_t roce_receive_sequence = 0;
+  uint64_t roce_write_address = 0;
+  uint32_t roce_write_rkey = 0, roce_write_length = 0, roce_write_offset = 0;
+  uint8_t* roce_write_base = nullptr;
+
+  State(const EngineConfig& c, MemoryAccess& m, CompletionSink& s) : config(c), memory(m), sink(s) {
+    psn_mask = config.mode == Mode::roce ? 0xffffff : 0xffffffff;
+    uint32_t window = 64;
+    while (window < config.window_packets && window < (1u << 22)) window <<= 1;
+    config.window_packets = window;
+    window_mask = window - 1;
+    config.max_send_wr = std::max<uint32_t>(1, config.max_send_wr);
+    config.max_recv_wr = std::max<uint32_t>(1, config.max_recv_wr);
+    config.mtu = std::max<uint32_t>(256, config.mtu);
+    config.max_read_responses = std::max<uint32_t>(1, config.max_read_responses);
+    sq.resize(config.max_send_wr);
+    rq.resize(config.max_recv_wr);
+    slots.resize(window);
+    lost.resize(window);
+    received.resize(window);
+    reads.resize(config.max_read_responses);
+    control.resize(control_capacity);
+    CcConfig ccc = config.cc_config;
+    ccc.mtu_bytes = config.mtu;
+    cc = make_congestion_control(config.cc, ccc);
+    una = send_psn = max_sent = assign_psn = acked_upto = highest_done = loss_scan = config.send_psn & psn_mask;
+    epsn = config.receive_psn & psn_mask;
+    rto = config.rto_initial_ns;
+  }
+
+  // ---- PSN arithmetic (24-bit in roce mode) ----
+  uint32_t add(uint32_t psn, uint32_t n) const { return (psn + n) & psn_mask; }
+  int32_t diff(uint32_t a, uint32_t b) const {
+    const uint32_t d = (a - b) & psn_mask;
+    return psn_mask == 0xffffffff ? int32_t(d) : int32_t(d << 8) >> 8;
+  }
+  Slot& slot(uint32_t psn) { return slots[psn & window_mask]; }
+  bool outstanding(uint32_t psn) const { return diff(psn, una) >= 0 && diff(psn, max_sent) < 0; }
+
+  // =====================================================================
+  // requester
+  // =====================================================================
+  PostResult post_send(const SendWork& work) {
+    if (error) {
+      flush_one_send(work);
+      return PostResult::ok;
+    }
+    if (work.segment_count > max_segments) return PostResult::invalid_argument;
+    uint64_t length = 0;
+    for (uint32_t i = 0; i < work.segment_count; ++i) length += work.segments[i].length;
+    if (length > (1ull << 31)) return PostResult::invalid_argument;
+    if (is_atomic(work.opcode) && (length != 8 || work.remote_addr % 8 != 0)) return PostResult::invalid_argument;
+    if (work.inline_data && (length > max_inline_bytes || needs_response(work.opcode)))
+      return PostResult::invalid_argument;
+    if (sq_count == config.max_send_wr) return PostResult::queue_full;
+    const uint32_t packets = is_atomic(work.opcode) ? 1 : std::max<uint32_t>(1, uint32_t((length + config.mtu - 1) / config.mtu));
+    // A READ's responses must fit the PSN window at once; other messages stream through it.
+    if (work.opcode == WorkOpcode::rdma_read && packets > config.window_packets / 2) return PostResult::invalid_argument;
+
+    const uint32_t index = (sq_head + sq_count) % config.max_send_wr;
+    SendWqe& w = sq[index];
+    w.work = work;
+    w.length = uint32_t(length);
+    w.first_psn = assign_psn;
+    w.packet_count = packets;
+    w.status = CompletionStatus::success;
+    w.failed = false;
+    w.receive_sequence = consumes_receive(work.opcode) ? next_receive_sequence++ : 0;
+    if (work.inline_data) {
+      gather(work.segments, work.segment_count, 0, w.inline_data, w.length);
+      w.work.segment_count = 1;
+      w.work.segments[0] = Segment{w.inline_data, w.length};
+    }
+    if (send_psn == assign_psn) send_cursor = index;
+    assign_psn = add(assign_psn, packets);
+    ++sq_count;
+    return PostResult::ok;
+  }
+
+  void flush_one_send(const SendWork& work) {
+    Completion c;
+    c.wr_id = work.wr_id;
+    c.status = CompletionStatus::work_request_flushed;
+    c.opcode = completion_opcode(work.opcode);
+    c.qp_number = config.local_qpn;
+    deliver(c);
+  }
+
+  void deliver(const Completion& c) {
+    ++counters.completions;
+    sink.deliver(c);
+  }
+
+  // The WQE whose PSN range holds psn (psn is assigned). Fast path: the cursor.
+  uint32_t find_wqe(uint32_t psn) const {
+    for (uint32_t i = 0; i < sq_count; ++i) {
+      const uint32_t index = (sq_head + i) % config.max_send_wr;
+      const SendWqe& w = sq[index];
+      if (diff(psn, w.first_psn) >= 0 && diff(psn, add(w.first_psn, w.packet_count)) < 0) return index;
+    }
+    return sq_head;
+  }
+
+  void rewind(uint32_t psn, uint64_t now) {
+    if (!outstanding(psn) && psn != max_sent) return;
+    (void)now;
+    if (diff(psn, send_psn) < 0) {
+      // Everything from psn on is sent again (go-back-N); drop in-flight accounting of those.
+      for (uint32_t p = psn; diff(p, max_sent) < 0; p = add(p, 1)) {
+        Slot& s = slot(p);
+        if (s.flags & slot_in_flight) {
+          s.flags &= uint8_t(~slot_in_flight);
+          --inflight_packets;
+        }
+      }
+      send_psn = psn;
+      send_cursor = find_wqe(psn);
+    }
+  }
+
+  void mark_done(uint32_t psn, uint64_t now, uint64_t& rtt_sample, uint64_t& acked_bytes) {
+    Slot& s = slot(psn);
+    if (s.flags & slot_done) return;
+    if (!(s.flags & slot_retransmitted) && (s.flags & slot_sent)) rtt_sample = now - s.sent_ns;
+    if (s.flags & slot_in_flight) --inflight_packets;
+    s.flags = uint8_t((s.flags | slot_done) & ~(slot_in_flight | slot_lost));
+    acked_bytes += config.mtu;
+    if (diff(add(psn, 1), highest_done) > 0) highest_done = add(psn, 1);
+  }
+
+  // Applies "every PSN before cum has arrived" from the peer's responder.
+  void apply_cumulative(uint32_t cum, uint64_t now, uint64_t& rtt, uint64_t& bytes) {
+    if (diff(cum, max_sent) > 0 || diff(cum, una) <= 0) return;
+    uint32_t from = diff(acked_upto, una) > 0 ? acked_upto : una;
+    for (uint32_t p = from; diff(p, cum) < 0; p = add(p, 1)) {
+      Slot& s = slot(p);
+      if (!needs_response(sq[s.wqe].work.opcode)) mark_done(p, now, rtt, bytes);
+    }
+    if (diff(cum, acked_upto) > 0) acked_upto = cum;
+    if (config.mode == Mode::roce) {
+      // A cumulative ACK past a READ or atomic whose response never came means
+      // the response was lost: a RoCE requester re-issues from there.
+      for (uint32_t p = una; diff(p, cum) < 0; p = add(p, 1)) {
+        Slot& s = slot(p);
+        if (!(s.flags & slot_done)) {
+          if (now - s.sent_ns > srtt) rewind(p, now);
+          break;
+        }
+      }
+    }
+  }
+
+  void apply_sack(uint32_t cum, uint64_t bitmap, uint64_t now, uint64_t& rtt, uint64_t& bytes) {
+    for (uint32_t i = 0; bitmap != 0 && i < 64; ++i, bitmap >>= 1) {
+      if (!(bitmap & 1)) continue;
+      const uint32_t p = add(cum, i + 1);
+      if (!outstanding(p)) continue;
+      Slot& s = slot(p);
+      if (!needs_response(sq[s.wqe].work.opcode)) mark_done(p, now, rtt, bytes);
+    }
+  }
+
+  void detect_losses() {
+    if (config.mode != Mode::stellar) return;
+    if (diff(highest_done, add(una, duplicate_threshold)) <= 0) return;
+    const uint32_t limit = (highest_done - duplicate_threshold) & psn_mask;
+    uint32_t p = diff(loss_scan, una) > 0 ? loss_scan : una;
+    for (; diff(p, limit) < 0; p = add(p, 1)) {
+      Slot& s = slot(p);
+      if ((s.flags & (slot_sent | slot_done | slot_lost)) == slot_sent) queue_lost(p);
+    }
+    loss_scan = p;
+  }
+
+  void queue_lost(uint32_t psn) {
+    Slot& s = slot(psn);
+    if (s.flags & (slot_lost | slot_done)) return;
+    if (lost_count == lost.size()) return;
+    s.flags |= slot_lost;
+    if (s.flags & slot_in_flight) {
+      s.flags &= uint8_t(~slot_in_flight);
+      --inflight_packets;
+    }
+    lost[(lost_head + lost_count) % lost.size()] = psn;
+    ++lost_count;
+  }
+
+  void after_acknowledgement(uint64_t now, uint64_t rtt, uint64_t bytes) {
+    if (rtt) update_rtt(rtt);
+    if (bytes) {
+      cc->on_ack(now, bytes, rtt);
+      consecutive_timeouts = 0;
+      consecutive_rnr = 0;
+      rto = rto_base();
+    }
+    detect_losses();
+    const uint32_t before = una;
+    advance_una();
+    if (una != before || bytes) rto_deadline = (una == max_sent) ? never : now + rto;
+    complete_sends();
+  }
+
+  void advance_una() {
+    while (diff(max_sent, una) > 0 && (slot(una).flags & slot_done)) {
+      slot(una).flags = 0;
+      una = add(una, 1);
+    }
+    if (diff(una, send_psn) > 0) {
+      send_psn = una;
+      if (send_psn != assign_psn) send_cursor = find_wqe(send_psn);
+    }
+  }
+
+  void complete_sends() {
+    while (sq_count > 0 && !error) {
+      SendWqe& w = sq[sq_head];
+      const uint32_t end = add(w.first_psn, w.packet_count);
+      if (diff(una, end) < 0) break;
+      if (w.failed) {
+        Completion c;
+        c.wr_id = w.work.wr_id;
+        c.status = w.status;
+        c.opcode = completion_opcode(w.work.opcode);
+        c.qp_number = config.local_qpn;
+        sq_head = (sq_head + 1) % config.max_send_wr;
+        --sq_count;
+        deliver(c);
+        enter_error();
+        return;
+      }
+      if (w.work.signaled) {
+        Completion c;
+        c.wr_id = w.work.wr_id;
+        c.opcode = completion_opcode(w.work.opcode);
+        c.byte_length = w.length;
+        c.qp_number = config.local_qpn;
+        deliver(c);
+      }
+      sq_head = (sq_head + 1) % config.max_send_wr;
+      --sq_count;
+    }
+  }
+
+  void fail_at(uint32_t psn, CompletionStatus status) {
+    if (!outstanding(psn)) {
+      ++counters.unexpected_packets;
+      return;
+    }
+    const uint32_t index = slot(psn).wqe;
+    SendWqe& w = sq[index];
+    if (w.failed) return;
+    w.failed = true;
+    w.status = status;
+    uint64_t rtt = 0, bytes = 0;
+    for (uint32_t p = w.first_psn; diff(p, add(w.first_psn, w.packet_count)) < 0; p = add(p, 1)) {
+      if (diff(p, max_sent) >= 0) {
+        // Never sent: account it as sent and done so una can pass it.
+        slot(p) = Slot{index, 0, 0};
+        max_sent = add(p, 1);
+      }
+      mark_done(p, 0, rtt, bytes);
+    }
+    if (!fatal || diff(w.first_psn, fatal_psn) < 0) {
+      fatal = true;
+      fatal_psn = w.first_psn;
+    }
+    if (diff(send_psn, add(w.first_psn, w.packet_count)) < 0 && diff(send_psn, w.first_psn) >= 0) {
+      send_psn = add(w.first_psn, w.packet_count);
+    }
+    advance_una();
+    complete_sends();
+  }
+
+  uint64_t rto_base() const {
+    if (srtt == 0) return config.rto_initial_ns;
+    return std::clamp<uint64_t>(srtt + 4 * rttvar, config.rto_min_ns, config.rto_max_ns);
+  }
+
+  void update_rtt(uint64_t sample) {
+    if (srtt == 0) {
+      srtt = sample;
+      rttvar = sample / 2;
+    } else {
+      const uint64_t delta = sample > srtt ? sample - srtt : srtt - sample;
+      rttvar = (3 * rttvar + delta) / 4;
+      srtt = (7 * srtt + sample) / 8;
+    }
+  }
+
+  void on_timeout(uint64_t now) {
+    ++counters.timeouts;
+    if (++consecutive_timeouts > config.retry_count) {
+      fail_head(CompletionStatus::retry_exceeded);
+      return;
+    }
+    cc->on_timeout(now);
+    rto = std::min(rto * 2, config.rto_max_ns);
+    if (config.mode == Mode::roce) {
+      rewind(una, now);
+    } else {
+      for (uint32_t p = una; diff(p, max_sent) < 0; p = add(p, 1)) {
+        Slot& s = slot(p);
+        if ((s.flags & (slot_sent | slot_done)) == slot_sent && (p == una || now - s.sent_ns >= rto / 2)) {
+          s.flags &= uint8_t(~slot_lost);
+          queue_lost(p);
+        }
+      }
+    }
+    rto_deadline = now + rto;
+  }
+
+  void fail_head(CompletionStatus status) {
+    if (sq_count == 0) return;
+    SendWqe& w = sq[sq_head];
+    Completion c;
+    c.wr_id = w.work.wr_id;
+    c.status = status;
+    c.opcode = completion_opcode(w.work.opcode);
+    c.qp_number = config.local_qpn;
+    sq_head = (sq_head + 1) % config.max_send_wr;
+    --sq_count;
+    deliver(c);
+    enter_error();
+  }
+
+  void on_ack_packet(const Header& h, uint64_t now) {
+    uint64_t rtt = 0, bytes = 0;
+    if (config.mode == Mode::roce) {
+      // AETH PSN: ACK = last PSN received; NAKs = the PSN refused (all before it arrived).
+      const uint32_t cum = syndrome::is_ack(h.syndrome) ? add(h.psn, 1) : h.psn;
+      apply_cumulative(cum, now, rtt, bytes);
+    }
+    if (syndrome::is_ack(h.syndrome)) {
+      after_acknowledgement(now, rtt, bytes);
+      return;
+    }
+    if (syndrome::is_rnr(h.syndrome)) {
+      ++counters.rnr_naks_received;
+      after_acknowledgement(now, rtt, bytes);
+      if (config.rnr_retry != 7 && ++consecutive_rnr > config.rnr_retry) {
+        fail_head(CompletionStatus::rnr_retry_exceeded);
+        return;
+      }
+      rnr_until = now + config.rnr_delay_ns;
+      if (!outstanding(h.psn)) return;
+      if (config.mode == Mode::roce) {
+        rewind(h.psn, now);
+      } else {
+        slot(h.psn).flags &= uint8_t(~slot_lost);
+        queue_lost(h.psn);
+      }
+      rto_deadline = rnr_until + rto;
+      return;
+    }
+    if (h.syndrome == syndrome::nak_psn_sequence) {
+      ++counters.sequence_naks_received;
+      after_acknowledgement(now, rtt, bytes);
+      cc->on_loss(now);
+      rewind(h.psn, now);
+      return;
+    }
+    after_acknowledgement(now, rtt, bytes);
+    fail_at(h.psn, status_from_syndrome(h.syndrome));
+  }
+
+  // READ response or atomic ACK for PSN h.psn.
+  void on_response(const Header& h, uint64_t now) {
+    if (!outstanding(h.psn)) {
+      ++counters.duplicates;
+      return;
+    }
+    Slot& s = slot(h.psn);
+    SendWqe& w = sq[s.wqe];
+    const bool is_read = opcode_is_read_response(h.opcode);
+    if ((is_read && w.work.opcode != WorkOpcode::rdma_read) || (!is_read && !is_atomic(w.work.opcode)) ||
+        !(s.flags & slot_sent)) {
+      ++counters.unexpected_packets;
+      return;
+    }
+    if (s.flags & slot_done) {
+      ++counters.duplicates;
+      return;
+    }
+    uint64_t rtt = 0, bytes = 0;
+    if (config.mode == Mode::roce) {
+      // Responses imply that every earlier request was executed.
+      apply_cumulative(w.first_psn, now, rtt, bytes);
+      for (uint32_t p = diff(una, w.first_psn) > 0 ? una : w.first_psn; diff(p, h.psn) < 0; p = add(p, 1)) {
+        if (!(slot(p).flags & slot_done)) {
+          ++counters.out_of_order;
+          if (now - slot(p).sent_ns > srtt) rewind(p, now);
+          after_acknowledgement(now, rtt, bytes);
+          return;
+        }
+      }
+    }
+    if (is_read) {
+      const uint64_t offset = uint64_t(diff(h.psn, w.first_psn)) * config.mtu;
+      const uint32_t expected = uint32_t(std::min<uint64_t>(config.mtu, w.length - offset));
+      if (h.payload_length != expected) {
+        ++counters.invalid_requests;
+        return;
+      }
+      scatter(w.work.segments, w.work.segment_count, offset, h.payload, h.payload_length);
+    } else {
+      uint64_t original = h.atomic_original;
+      std::memcpy(w.work.segments[0].address, &original, 8);
+    }
+    mark_done(h.psn, now, rtt, bytes);
+    after_acknowledgement(now, rtt, bytes);
+  }
+
+  bool may_send_request(uint64_t now, uint32_t bytes) const {
+    if (now < rnr_until) return false;
+    return cc->can_send(now, uint64_t(inflight_packets) * config.mtu, bytes);
+  }
+
+  // Builds the request packet for PSN psn into b. `whole_read`: a READ request
+  // asks for everything from psn to the end of the READ.
+  uint32_t build_request(uint32_t psn, uint32_t wqe_index, bool whole_read, TxBuffer& b, uint32_t& psns_used) {
+    SendWqe& w = sq[wqe_index];
+    const uint32_t index = uint32_t(diff(psn, w.first_psn));
+    const uint64_t offset = uint64_t(index) * config.mtu;
+    Header h;
+    h.pkey = config.pkey;
+    h.dest_qpn = config.remote_qpn;
+    h.psn = psn;
+    h.solicited = w.work.solicited;
+    psns_used = 1;
+    const bool first = index == 0, last = index + 1 == w.packet_count;
+    uint32_t payload = 0;
+    switch (w.work.opcode) {
+      case WorkOpcode::send:
+      case WorkOpcode::send_with_imm: {
+        const bool imm = w.work.opcode == WorkOpcode::send_with_imm;
+        h.opcode = first && last ? (imm ? opcode::send_only_imm : opcode::send_only)
+                   : first       ? opcode::send_first
+                   : last        ? (imm ? opcode::send_last_imm : opcode::send_last)
+                                 : opcode::send_middle;
+        payload = uint32_t(std::min<uint64_t>(config.mtu, w.length - offset));
+        break;
+      }
+      case WorkOpcode::rdma_write:
+      case WorkOpcode::rdma_write_with_imm: {
+        const bool imm = w.work.opcode == WorkOpcode::rdma_write_with_imm;
+        h.opcode = first && last ? (imm ? opcode::write_only_imm : opcode::write_only)
+                   : first       ? opcode::write_first
+                   : last        ? (imm ? opcode::write_last_imm : opcode::write_last)
+                                 : opcode::write_middle;
+        payload = uint32_t(std::min<uint64_t>(config.mtu, w.length - offset));
+        h.remote_addr = w.work.remote_addr;
+        h.rkey = w.work.rkey;
+        h.dma_length = w.length;
+        break;
+      }
+      case WorkOpcode::rdma_read: {
+        h.opcode = opcode::read_request;
+        h.remote_addr = w.work.remote_addr + offset;
+        h.rkey = w.work.rkey;
+        const uint64_t rest = w.length - offset;
+        h.dma_length = uint32_t(whole_read ? rest : std::min<uint64_t>(config.mtu, rest));
+        psns_used = whole_read ? w.packet_count - index : 1;
+        break;
+      }
+      case WorkOpcode::atomic_fetch_add:
+      case WorkOpcode::atomic_compare_swap:
+        h.opcode = w.work.opcode == WorkOpcode::atomic_fetch_add ? opcode::fetch_add : opcode::compare_swap;
+        h.remote_addr = w.work.remote_addr;
+        h.rkey = w.work.rkey;
+        h.swap_add = w.work.opcode == WorkOpcode::atomic_fetch_add ? w.work.compare_add : w.work.swap;
+        h.compare = w.work.opcode == WorkOpcode::atomic_fetch_add ? 0 : w.work.compare_add;
+        break;
+    }
+    if (payload || opcode_is_send(h.opcode) || opcode_is_write(h.opcode)) {
+      h.message_offset = uint32_t(offset);
+      h.message_length = w.length;
+      h.receive_sequence = w.receive_sequence;
+      h.payload_length = payload;
+    }
+    if (opcode_has_imm(h.opcode)) h.imm = w.work.imm;
+    // Ask for an ACK at the end of a message and when the window is filling up.
+    h.ack_request = last || needs_response(w.work.opcode) ||
+                    uint32_t(diff(add(psn, psns_used), una)) > config.window_packets / 2;
+    const size_t at = payload_offset(config.mode, h);
+    if (b.capacity < at + payload + max_header_bytes) return 0;
+    if (payload) gather(w.work.segments, w.work.segment_count, offset, b.data + at, payload);
+    return finish(h, b);
+  }
+
+  // Piggy-backs our responder's acknowledgement (stellar) and encodes.
+  uint32_t finish(Header& h, TxBuffer& b) {
+    if (config.mode == Mode::stellar) {
+      h.has_ack = true;
+      h.ack_psn = epsn;
+      h.sack_bitmap = sack_bitmap();
+      unacked = 0;
+      ack_due = never;
+    }
+    b.length = uint32_t(encode(config.mode, h, b.data, b.capacity, config.tx_addresses));
+    if (b.length) {
+      ++counters.tx_packets;
+      counters.tx_bytes += b.length;
+    }
+    return b.length;
+  }
+
+  void record_sent(uint32_t psn, uint32_t count, uint32_t wqe_index, uint64_t now, bool retransmission) {
+    for (uint32_t i = 0; i < count; ++i) {
+      const uint32_t p = add(psn, i);
+      Slot& s = slot(p);
+      if (diff(p, max_sent) >= 0) {
+        s = Slot{wqe_index, 0, 0};
+        max_sent = add(p, 1);
+      }
+      if (s.flags & slot_done) continue;
+      if (retransmission || (s.flags & slot_sent)) s.flags |= slot_retransmitted;
+      s.flags = uint8_t((s.flags | slot_sent | slot_in_flight) & ~slot_lost);
+      s.sent_ns = now;
+      ++inflight_packets;
+    }
+    if (rto_deadline == never) rto_deadline = now + rto;
+  }
+
+  size_t transmit_requests(TxBuffer* buffers, size_t count, uint64_t now) {
+    size_t n = 0;
+    // Selective retransmissions first (stellar).
+    while (n < count && lost_count > 0 && !error) {
+      const uint32_t psn = lost[lost_head];
+      Slot& s = slot(psn);
+      if (!outstanding(psn) || (s.flags & slot_done) || !(s.flags & slot_lost) ||
+          (fatal && diff(psn, fatal_psn) >= 0)) {
+        if (outstanding(psn)) s.flags &= uint8_t(~slot_lost);
+        lost_head = (lost_head + 1) % lost.size();
+        --lost_count;
+        continue;
+      }
+      if (!may_send_request(now, config.mtu)) return n;
+      uint32_t used = 0;
+      if (!build_request(psn, s.wqe, false, buffers[n], used)) return n;
+      record_sent(psn, used, s.wqe, now, true);
+      cc->on_send(now, buffers[n].length);
+      ++counters.retransmitted_packets;
+      ++counters.fast_retransmits;
+      lost_head = (lost_head + 1) % lost.size();
+      --lost_count;
+      ++n;
+    }
+    // In-order transmission (first transmissions; after a rewind, go-back-N).
+    while (n < count && send_psn != assign_psn && !error) {
+      if (fatal && diff(send_psn, fatal_psn) >= 0) break;
+      SendWqe* w = &sq[send_cursor];
+      if (diff(send_psn, add(w->first_psn, w->packet_count)) >= 0 || diff(send_psn, w->first_psn) < 0) {
+        send_cursor = find_wqe(send_psn);
+        w = &sq[send_cursor];
+      }
+      const uint32_t needed =
+          w->work.opcode == WorkOpcode::rdma_read ? uint32_t(diff(add(w->first_psn, w->packet_count), send_psn)) : 1;
+      if (uint32_t(diff(send_psn, una)) + needed > config.window_packets - 64) break;
+      if (w->failed) {
+        send_psn = add(w->first_psn, w->packet_count);
+        continue;
+      }
+      if (!may_send_request(now, config.mtu)) break;
+      const bool retransmission = diff(send_psn, max_sent) < 0;
+      uint32_t used = 0;
+      if (!build_request(send_psn, send_cursor, true, buffers[n], used)) break;
+      record_sent(send_psn, used, send_cursor, now, retransmission);
+      cc->on_send(now, buffers[n].length);
+      if (retransmission) ++counters.retransmitted_packets;
+      send_psn = add(send_psn, used);
+      if (send_psn != assign_psn && diff(send_psn, add(w->first_psn, w->packet_count)) >= 0)
+        send_cursor = (send_cursor + 1) % config.max_send_wr;
+      ++n;
+    }
+    return n;
+  }
+
+  // =====================================================================
+  // responder
+  // =====================================================================
+  uint64_t sack_bitmap() const {
+    uint64_t bits = 0;
+    for (uint32_t i = 0; i < 64; ++i)
+      if (received[add(epsn, i + 1) & window_mask]) bits |= uint64_t(1) << i;
+    return bits;
+  }
+
+  void queue_control(uint8_t op, uint8_t syn, uint32_t psn, uint64_t original = 0) {
+    if (control_count == control.size()) return;  // the requester's timer recovers
+    control[(control_head + control_count) % control.size()] = Control{op, syn, psn, original};
+    ++control_count;
+  }
+
+  void schedule_ack(uint64_t now, bool immediately) {
+    ++unacked;
+    const uint64_t due = (immediately || unacked >= config.ack_every_packets) ? now : now + config.ack_delay_ns;
+    ack_due = std::min(ack_due, due);
+  }
+
+  ReceiveWqe* receive_for(uint32_t sequence) {
+    const int32_t ahead = int32_t(sequence - rq_head_sequence);
+    if (ahead < 0 || uint32_t(ahead) >= rq_count) return nullptr;
+    return &rq[(rq_head + uint32_t(ahead)) % config.max_recv_wr];
+  }
+
+  enum class Outcome { accepted, nak, rnr, dropped };
+
+  void on_request(const Header& h, uint64_t now) {
+    const int32_t d = diff(h.psn, epsn);
+    const int32_t window = int32_t(config.window_packets);
+    if (d < 0) {
+      if (d < -window) {
+        ++counters.out_of_window;
+        return;
+      }
+      ++counters.duplicates;
+      replay_duplicate(h, now);
+      return;
+    }
+    if (d >= window) {
+      ++counters.out_of_window;
+      return;
+    }
+    if (responder_failed && diff(h.psn, responder_failed_psn) >= 0) {
+      ++counters.naks_sent;
+      queue_control(opcode::acknowledge, responder_failed_syndrome, responder_failed_psn);
+      return;
+    }
+    if (config.mode == Mode::roce) {
+      if (d > 0) {
+        ++counters.out_of_order;
+        if (!sequence_nak_sent) {
+          sequence_nak_sent = true;
+          ++counters.naks_sent;
+          queue_control(opcode::acknowledge, syndrome::nak_psn_sequence, epsn);
+        }
+        return;
+      }
+    } else {
+      if (received[h.psn & window_mask]) {
+        ++counters.duplicates;
+        schedule_ack(now, true);
+        return;
+      }
+      if (d > 0) {
+        ++counters.out_of_order;
+        if (h.opcode == opcode::read_request || h.opcode == opcode::compare_swap || h.opcode == opcode::fetch_add) {
+          // Reads and atomics execute in order (they must see earlier writes).
+          for (uint32_t i = 0; i < pending_capacity; ++i) {
+            if (!pending_used[i]) {
+              pending[i] = h;
+              pending_used[i] = true;
+              break;
+            }
+          }
+          return;
+        }
+      }
+    }
+    execute(h, now, d > 0);
+    drain_pending(now);
+  }
+
+  void execute(const Header& h, uint64_t now, bool out_of_order) {
+    uint32_t consumed = 1;
+    const Outcome outcome = apply_request(h, now, consumed);
+    switch (outcome) {
+      case Outcome::accepted:
+        mark_received(h.psn, consumed);
+        schedule_ack(now, out_of_order);  // out of order: SACK news, tell the requester at once
+        complete_receives();
+        break;
+      case Outcome::nak: break;
+      case Outcome::rnr:
+        ++counters.rnr_naks_sent;
+        queue_control(opcode::acknowledge, uint8_t(syndrome::rnr_nak | 0x0e), h.psn);
+        break;
+      case Outcome::dropped: break;
+    }
+  }
+
+  void drain_pending(uint64_t now) {
+    bool progress = true;
+    while (progress) {
+      progress = false;
+      for (uint32_t i = 0; i < pending_capacity; ++i) {
+        if (!pending_used[i]) continue;
+        const int32_t d = diff(pending[i].psn, epsn);
+        if (d > 0) continue;
+        pending_used[i] = false;
+        if (d == 0) {
+          const Header h = pending[i];
+          execute(h, now, false);
+          progress = true;
+        }
+      }
+    }
+  }
+
+  void mark_received(uint32_t psn, uint32_t count) {
+    if (config.mode == Mode::roce) {
+      epsn = add(epsn, count);
+      sequence_nak_sent = false;
+      return;
+    }
+    for (uint32_t i = 0; i < count; ++i) received[add(psn, i) & window_mask] = 1;
+    while (received[epsn & window_mask]) {
+      received[epsn & window_mask] = 0;
+      epsn = add(epsn, 1);
+    }
+  }
+
+  // A fatal NAK (access or invalid request): like a verbs responder, accept
+  // nothing at or after that PSN any more; repeat the NAK instead.
+  void nak(uint32_t psn, uint8_t syn) {
+    ++counters.naks_sent;
+    queue_control(opcode::acknowledge, syn, psn);
+    if (!responder_failed || diff(psn, responder_failed_psn) < 0) {
+      responder_failed = true;
+      responder_failed_psn = psn;
+      responder_failed_syndrome = syn;
+    }
+  }
+
+  Outcome apply_request(const Header& h, uint64_t now, uint32_t& consumed) {
+    (void)now;
+    const uint8_t op = h.opcode;
+    if (opcode_is_send(op)) return apply_send(h);
+    if (opcode_is_write(op)) return apply_write(h);
+    if (op == opcode::read_request) {
+      const uint32_t length = h.dma_length;
+      const uint32_t packets = std::max<uint32_t>(1, uint32_t((uint64_t(length) + config.mtu - 1) / config.mtu));
+      if (packets > config.window_packets / 2) {
+        ++counters.invalid_requests;
+        nak(h.psn, syndrome::nak_invalid_request);
+        return Outcome::nak;
+      }
+      if (length && !memory.resolve(h.rkey, h.remote_addr, length, access_remote_read)) {
+        ++counters.access_errors;
+        nak(h.psn, syndrome::nak_remote_access);
+        return Outcome::nak;
+      }
+      if (reads_count == reads.size()) return Outcome::dropped;  // the requester retries
+      reads[(reads_head + reads_count) % reads.size()] = ReadResponse{h.psn, h.remote_addr, h.rkey, length, packets, 0};
+      ++reads_count;
+      consumed = packets;
+      msn = (msn + 1) & 0xffffff;
+      return Outcome::accepted;
+    }
+    if (op == opcode::compare_swap || op == opcode::fetch_add) {
+      if (h.remote_addr % 8 != 0) {
+        ++counters.invalid_requests;
+        nak(h.psn, syndrome::nak_invalid_request);
+        return Outcome::nak;
+      }
+      uint8_t* target = memory.resolve(h.rkey, h.remote_addr, 8, access_remote_atomic);
+      if (!target) {
+        ++counters.access_errors;
+        nak(h.psn, syndrome::nak_remote_access);
+        return Outcome::nak;
+      }
+      auto* word = reinterpret_cast<uint64_t*>(target);
+      uint64_t original;
+      if (op == opcode::fetch_add) {
+        original = __atomic_fetch_add(word, h.swap_add, __ATOMIC_SEQ_CST);
+      } else {
+        original = h.compare;
+        __atomic_compare_exchange_n(word, &original, h.swap_add, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+      }
+      atomic_replay[atomic_replay_next] = AtomicReplay{h.psn, original, true};
+      atomic_replay_next = (atomic_replay_next + 1) % atomic_replay_capacity;
+      queue_control(opcode::atomic_acknowledge, syndrome::ack, h.psn, original);
+      msn = (msn + 1) & 0xffffff;
+      return Outcome::accepted;
+    }
+    ++counters.invalid_requests;
+    return Outcome::dropped;
+  }
+
+  Outcome apply_send(const Header& h) {
+    const uint8_t op = h.opcode;
+    uint32_t sequence, offset;
+    if (config.mode == Mode::roce) {
+      if (opcode_is_first(op) == roce_in_send) {  // a first packet inside a message, or a middle without a first
+        ++counters.invalid_requests;
+        nak(h.psn, syndrome::nak_invalid_request);
+        return Outcome::nak;
+      }
+      sequence = roce_receive_sequence;
+      offset = opcode_is_first(op) ? 0 : roce_send_offset;
+    } else {
+      sequence = h.receive_sequence;
+      offset = h.message_offset;
+    }
+    ReceiveWqe* r = receive_for(sequence);
+    if (!r) {
+      if (int32_t(sequence - rq_head_sequence) < 0) {
+        ++counters.invalid_requests;
+        return Outcome::dropped;
+      }
+      return Outcome::rnr;
+    }
+    if (uint64_t(offset) + h.payload_length > r->capacity ||
+        (config.mode == Mode::stellar && h.message_length > r->capacity)) {
+      ++counters.invalid_requests;
+      r->status = CompletionStatus::local_length_error;
+      nak(h.psn, syndrome::nak_invalid_request);
+      // A receive too small is fatal for the responder too (verbs semantics):
+      // that receive completes with the length error, the rest are flushed.
+      enter_error();
+      return Outcome::nak;
+    }
+    scatter(r->work.segments, r->work.segment_count, offset, h.payload, h.payload_length);
+    if (config.mode == Mode::roce) {
+      roce_in_send = !opcode_is_last(op);
+      roce_send_offset = offset + h.payload_length;
+    }
+    if (opcode_is_last(op)) {
+      r->last_seen = true;
+      r->last_psn = h.psn;
+      r->byte_length = config.mode == Mode::roce ? offset + h.payload_length : h.message_length;
+      r->has_imm = opcode_has_imm(op);
+      r->imm = h.imm;
+      r->rdma_with_imm = false;
+      if (config.mode == Mode::roce) ++roce_receive_sequence;
+      msn = (msn + 1) & 0xffffff;
+    }
+    return Outcome::accepted;
+  }
+
+  Outcome apply_write(const Header& h) {
+    const uint8_t op = h.opcode;
+    uint8_t* base = nullptr;
+    uint64_t offset;
+    uint32_t total;
+    if (config.mode == Mode::roce) {
+      if (opcode_is_first(op) == roce_in_write) {
+        ++counters.invalid_requests;
+        nak(h.psn, syndrome::nak_invalid_request);
+        return Outcome::nak;
+      }
+      if (opcode_is_first(op)) {
+        roce_write_address = h.remote_addr;
+        roce_write_rkey = h.rkey;
+        roce_write_length = h.dma_length;
+        roce_write_offset = 0;
+        roce_write_base = nullptr;
+        if (h.dma_length) {
+          roce_write_base = memory.resolve(h.rkey, h.remote_addr, h.dma_length, access_remote_write);
+          if (!roce_write_base) {
+            ++counters.access_errors;
+            nak(h.psn, syndrome::nak_remote_access);
+            return Outcome::nak;
+          }
+        }
+      }
+      base = roce_write_base;
+      offset = roce_write_offset;
+      total = roce_write_length;
+      if (offset + h.payload_length > total || (opcode_is_last(op) && offset + h.payload_length != total)) {
+        ++counters.invalid_requests;
+        nak(h.psn, syndrome::nak_invalid_request);
+        return Outcome::nak;
+      }
+    } else {
+      offset = h.message_offset;
+      total = h.message_length;
+      if (h.dma_length != h.message_length) {
+        ++counters.invalid_requests;
+        nak(h.psn, syndrome::nak_invalid_request);
+        return Outcome::nak;
+      }
+      if (total) {
+        base = memory.resolve(h.rkey, h.remote_addr, total, access_remote_write);
+        if (!base) {
+          ++counters.access_errors;
+          nak(h.psn, syndrome::nak_remote_access);
+          return Outcome::nak;
+        }
+      }
+    }
+    ReceiveWqe* r = nullptr;
+    if (opcode_has_imm(op)) {
+      const uint32_t sequence = config.mode == Mode::roce ? roce_receive_sequence : h.receive_sequence;
+      r = receive_for(sequence);
+      if (!r) return int32_t(sequence - rq_head_sequence) < 0 ? Outcome::dropped : Outcome::rnr;
+    }
+    if (h.payload_length) std::memcpy(base + offset, h.payload, h.payload_length);
+    if (config.mode == Mode::roce) {
+      roce_write_offset = uint32_t(offset + h.payload_length);
+      roce_in_write = !opcode_is_last(op);
+    }
+    if (opcode_is_last(op)) {
+      msn = (msn + 1) & 0xffffff;
+      if (r) {
+        r->last_seen = true;
+        r->last_psn = h.psn;
+        r->byte_length = total;
+        r->has_imm = true;
+        r->imm = h.imm;
+        r->rdma_with_imm = true;
+        if (config.mode == Mode::roce) ++roce_receive_sequence;
+      }
+    }
+    return Outcome::accepted;
+  }
+
+  void replay_duplicate(const Header& h, uint64_t now) {
+    if (h.opcode == opcode::read_request) {
+      // Reads are idempotent: serve the (possibly partial) range again.
+      uint32_t consumed = 0;
+      const uint32_t length = h.dma_length;
+      const uint32_t packets = std::max<uint32_t>(1, uint32_t((uint64_t(length) + config.mtu - 1) / config.mtu));
+      (void)consumed;
+      if (packets > config.window_packets / 2 || reads_count == reads.size()) return;
+      if (length && !memory.resolve(h.rkey, h.remote_addr, length, access_remote_read)) {
+        ++counters.access_errors;
+        nak(h.psn, syndrome::nak_remote_access);
+        return;
+      }
+      reads[(reads_head + reads_count) % reads.size()] = ReadResponse{h.psn, h.remote_addr, h.rkey, length, packets, 0};
+      ++reads_count;
+      return;
+    }
+    if (h.opcode == opcode::compare_swap || h.opcode == opcode::fetch_add) {
+      // Never execute an atomic twice: answer from the replay cache.
+      for (const AtomicReplay& a : atomic_replay) {
+        if (a.valid && a.psn == h.psn) {
+          queue_control(opcode::atomic_acknowledge, syndrome::ack, h.psn, a.original);
+          return;
+        }
+      }
+      return;
+    }
+    if (config.mode == Mode::roce) {
+      queue_control(opcode::acknowledge, syndrome::ack, (epsn - 1) & psn_mask);
+      ++counters.acks_sent;
+    } else {
+      schedule_ack(now, true);
+    }
+  }
+
+  void complete_receives() {
+    while (rq_count > 0 && !error) {
+      ReceiveWqe& r = rq[rq_head];
+      if (!r.last_seen || diff(r.last_psn, epsn) >= 0) break;
+      Completion c;
+      c.wr_id = r.work.wr_id;
+      c.status = r.status;
+      c.opcode = r.rdma_with_imm ? CompletionOpcode::receive_rdma_with_imm : CompletionOpcode::receive;
+      c.byte_length = r.byte_length;
+      c.imm = r.imm;
+      c.has_imm = r.has_imm;
+      c.qp_number = config.local_qpn;
+      rq_head = (rq_head + 1) % config.max_recv_wr;
+      --rq_count;
+      ++rq_head_sequence;
+      deliver(c);
+      if (c.status != CompletionStatus::success) {
+        enter_error();
+        return;
+      }
+    }
+  }
+
+  size_t transmit_responses(TxBuffer* buffers, size_t count) {
+    size_t n = 0;
+    while (n < count && control_count > 0) {
+      const Control& c = control[control_head];
+      Header h;
+      h.opcode = c.opcode;
+      h.pkey = config.pkey;
+      h.dest_qpn = config.remote_qpn;
+      h.psn = c.psn;
+      h.syndrome = c.syndrome;
+      h.msn = msn;
+      h.atomic_original = c.atomic_original;
+      if (!finish(h, buffers[n])) break;
+      control_head = (control_head + 1) % control.size();
+      --control_count;
+      ++n;
+    }
+    while (n < count && reads_count > 0) {
+      ReadResponse& r = reads[reads_head];
+      const uint64_t offset = uint64_t(r.sent) * config.mtu;
+      const uint32_t length = uint32_t(std::min<uint64_t>(config.mtu, r.length - offset));
+      Header h;
+      h.pkey = config.pkey;
+      h.dest_qpn = config.remote_qpn;
+      h.psn = add(r.psn, r.sent);
+      const bool first = r.sent == 0, last = r.sent + 1 == r.packets;
+      h.opcode = first && last ? opcode::read_response_only
+                 : first       ? opcode::read_response_first
+                 : last        ? opcode::read_response_last
+                               : opcode::read_response_middle;
+      h.syndrome = syndrome::ack;
+      h.msn = msn;
+      h.message_offset = uint32_t(offset);
+      h.message_length = r.length;
+      h.payload_length = length;
+      const size_t at = payload_offset(config.mode, h);
+      if (buffers[n].capacity < at + length + max_header_bytes) break;
+      if (length) {
+        // Resolve again per packet: the region may have been deregistered since.
+        const uint8_t* source = memory.resolve(r.rkey, r.address + offset, length, access_remote_read);
+        if (!source) {
+          ++counters.access_errors;
+          nak(h.psn, syndrome::nak_remote_access);
+          reads_head = (reads_head + 1) % reads.size();
+          --reads_count;
+          continue;
+        }
+        std::memcpy(buffers[n].data + at, source, length);
+      }
+      if (!finish(h, buffers[n])) break;
+      ++n;
+      if (++r.sent == r.packets) {
+        reads_head = (reads_head + 1) % reads.size();
+        --reads_count;
+      }
+    }
+    return n;
+  }
+
+  size_t transmit_ack(TxBuffer* buffers, size_t count, uint64_t now) {
+    if (count == 0 || ack_due > now) return 0;
+    Header h;
+    h.opcode = opcode::acknowledge;
+    h.pkey = config.pkey;
+    h.dest_qpn = config.remote_qpn;
+    h.syndrome = syndrome::ack;
+    h.msn = msn;
+    h.psn = (epsn - 1) & psn_mask;
+    unacked = 0;
+    ack_due = never;
+    if (!finish(h, buffers[0])) return 0;
+    ++counters.acks_sent;
+    return 1;
+  }
+
+  // =====================================================================
+  void enter_error() {
+    if (error) return;
+    error = true;
+    while (sq_count > 0) {
+      SendWqe& w = sq[sq_head];
+      sq_head = (sq_head + 1) % config.max_send_wr;
+      --sq_count;
+      flush_one_send(w.work);
+    }
+    while (rq_count > 0) {
+      ReceiveWqe& r = rq[rq_head];
+      Completion c;
+      c.wr_id = r.work.wr_id;
+      c.status = r.status != CompletionStatus::success ? r.status : CompletionStatus::work_request_flushed;
+      c.opcode = CompletionOpcode::receive;
+      c.qp_number = config.local_qpn;
+      rq_head = (rq_head + 1) % config.max_recv_wr;
+      --rq_count;
+      deliver(c);
+    }
+    lost_count = 0;
+    reads_count = 0;
+    rto_deadline = never;
+    ack_due = never;
+  }
+};
+
+// =========================================================================
+
+QpEngine::QpEngine(const EngineConfig& config, MemoryAccess& memory, CompletionSink& sink)
+    : s_(std::make_unique<State>(config, memory, sink)) {}
+QpEngine::~QpEngine() = default;
+
+PostResult QpEngine::post_send(const SendWork& work, uint64_t now_ns) {
+  (void)now_ns;
+  return s_->post_send(work);
+}
+
+PostResult QpEngine::post_receive(const ReceiveWork& work) {
+  State& s = *s_;
+  if (work.segment_count > max_segments) return PostResult::invalid_argument;
+  if (s.error) {
+    Completion c;
+    c.wr_id = work.wr_id;
+    c.status = CompletionStatus::work_request_flushed;
+    c.opcode = CompletionOpcode::receive;
+    c.qp_number = s.config.local_qpn;
+    s.deliver(c);
+    return PostResult::ok;
+  }
+  if (s.rq_count == s.config.max_recv_wr) return PostResult::queue_full;
+  ReceiveWqe& r = s.rq[(s.rq_head + s.rq_count) % s.config.max_recv_wr];
+  r = ReceiveWqe{};
+  r.work = work;
+  for (uint32_t i = 0; i < work.segment_count; ++i) r.capacity += work.segments[i].length;
+  ++s.rq_count;
+  return PostResult::ok;
+}
+
+void QpEngine::receive(const uint8_t* data, size_t length, const IcrcAddresses& addresses, uint64_t now_ns) {
+  Header h;
+  const DecodeError e = decode(s_->config.mode, data, length, addresses, h);
+  if (e != DecodeError::none) {
+    ++s_->counters.decode_errors;
+    return;
+  }
+  s_->counters.rx_bytes += length;
+  receive_decoded(h, now_ns);
+}
+
+void QpEngine::receive_decoded(const Header& h, uint64_t now_ns) {
+  State& s = *s_;
+  ++s.counters.rx_packets;
+  if (h.dest_qpn != s.config.local_qpn || h.pkey != s.config.pkey) {
+    ++s.counters.unexpected_packets;
+    return;
+  }
+  if (s.error) return;
+  if (s.config.mode == Mode::stellar && h.has_ack) {
+    uint64_t rtt = 0, bytes = 0;
+    s.apply_cumulative(h.ack_psn, now_ns, rtt, bytes);
+    s.apply_sack(h.ack_psn, h.sack_bitmap, now_ns, rtt, bytes);
+    s.after_acknowledgement(now_ns, rtt, bytes);
+    if (s.error) return;
+  }
+  if (opcode_is_request(h.opcode)) {
+    s.on_request(h, now_ns);
+  } else if (h.opcode == opcode::acknowledge) {
+    s.on_ack_packet(h, now_ns);
+  } else {
+    s.on_response(h, now_ns);
+  }
+}
+
+size_t QpEngine::transmit(TxBuffer* buffers, size_t count, uint64_t now_ns) {
+  State& s = *s_;
+  s.cc->on_tick(now_ns);
+  if (!s.error && s.rto_deadline <= now_ns && s.una != s.max_sent) s.on_timeout(now_ns);
+  size_t n = s.transmit_responses(buffers, count);
+  if (!s.error) n += s.transmit_requests(buffers + n, count - n, now_ns);
+  if (!s.error) n += s.transmit_ack(buffers + n, count - n, now_ns);
+  return n;
+}
+
+uint64_t QpEngine::next_wakeup_ns(uint64_t now_ns) const {
+  const State& s = *s_;
+  if (s.control_count || s.reads_count) return now_ns;
+  if (s.error) return never;
+  uint64_t t = std::min(s.ack_due, s.una != s.max_sent ? s.rto_deadline : never);
+  const bool has_requests = s.lost_count > 0 || (s.send_psn != s.assign_psn && !(s.fatal && s.diff(s.send_psn, s.fatal_psn) >= 0));
+  if (has_requests && uint32_t(s.diff(s.send_psn, s.una)) < s.config.window_packets - 64) {
+    if (now_ns < s.rnr_until) return std::min(t, s.rnr_until);
+    const uint64_t pace = s.cc->next_send_time_ns(now_ns, uint64_t(s.inflight_packets) * s.config.mtu, s.config.mtu);
+    t = std::min(t, pace);
+  }
+  return t;
+}
+
+void QpEngine::enter_error() { s_->enter_error(); }
+bool QpEngine::in_error() const { return s_->error; }
+uint32_t QpEngine::outstanding_sends() const { return s_->sq_count; }
+const EngineCounters& QpEngine::counters() const { return s_->counters; }
+const EngineConfig& QpEngine::config() const { return s_->config; }
+uint64_t QpEngine::rto_ns() const { return s_->rto; }
+uint64_t QpEngine::smoothed_rtt_ns() const { return s_->srtt; }
+const CongestionControl& QpEngine::congestion_control() const { return *s_->cc; }
+
+const char* to_string(CompletionStatus s) {
+  switch (s) {
+    case CompletionStatus::success: return "success";
+    case CompletionStatus::local_length_error: return "local length error";
+    case CompletionStatus::local_qp_operation_error: return "local QP operation error";
+    case CompletionStatus::local_protection_error: return "local protection error";
+    case CompletionStatus::work_request_flushed: return "work request flushed";
+    case CompletionStatus::bad_response: return "bad response";
+    case CompletionStatus::remote_invalid_request: return "remote invalid request";
+    case CompletionStatus::remote_access_error: return "remote access error";
+    case CompletionStatus::remote_operation_error: return "remote operation error";
+    case CompletionStatus::retry_exceeded: return "transport retry counter exceeded";
+    case CompletionStatus::rnr_retry_exceeded: return "RNR retry counter exceeded";
+  }
+  return "?";
+}
+
+const char* to_string(CompletionOpcode o) {
+  switch (o) {
+    case CompletionOpcode::send: return "send";
+    case CompletionOpcode::rdma_write: return "rdma_write";
+    case CompletionOpcode::rdma_read: return "rdma_read";
+    case CompletionOpcode::compare_swap: return "compare_swap";
+    case CompletionOpcode::fetch_add: return "fetch_add";
+    case CompletionOpcode::receive: return "receive";
+    case CompletionOpcode::receive_rdma_with_imm: return "receive_rdma_with_imm";
+  }
+  return "?";
+}
+
+}  // namespace stellar::offload

@@ -1,0 +1,401 @@
+#include "stellar/offload/wire.hpp"
+
+#include <zlib.h>
+
+#include <array>
+#include <cstring>
+
+#if defined(__x86_64__)
+#include <nmmintrin.h>
+#endif
+
+namespace stellar::offload {
+namespace {
+
+// ---- byte order helpers (the wire is big-endian, as IBTA) ----
+inline void put16(uint8_t* p, uint16_t v) { p[0] = uint8_t(v >> 8); p[1] = uint8_t(v); }
+inline void put24(uint8_t* p, uint32_t v) { p[0] = uint8_t(v >> 16); p[1] = uint8_t(v >> 8); p[2] = uint8_t(v); }
+inline void put32(uint8_t* p, uint32_t v) { put16(p, uint16_t(v >> 16)); put16(p + 2, uint16_t(v)); }
+inline void put64(uint8_t* p, uint64_t v) { put32(p, uint32_t(v >> 32)); put32(p + 4, uint32_t(v)); }
+inline uint16_t get16(const uint8_t* p) { return uint16_t(p[0] << 8 | p[1]); }
+inline uint32_t get24(const uint8_t* p) { return uint32_t(p[0]) << 16 | uint32_t(p[1]) << 8 | p[2]; }
+inline uint32_t get32(const uint8_t* p) { return uint32_t(get16(p)) << 16 | get16(p + 2); }
+inline uint64_t get64(const uint8_t* p) { return uint64_t(get32(p)) << 32 | get32(p + 4); }
+
+// ---- CRC32C for the stellar trailer: hardware on x86-64, table elsewhere ----
+constexpr std::array<uint32_t, 256> make_crc32c_table() {
+  std::array<uint32_t, 256> t{};
+  for (uint32_t i = 0; i < 256; ++i) {
+    uint32_t c = i;
+    for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ 0x82f63b78u : c >> 1;
+    t[i] = c;
+  }
+  return t;
+}
+constexpr auto crc32c_table = make_crc32c_table();
+
+uint32_t crc32c_software(const uint8_t* p, size_t n) {
+  uint32_t c = ~0u;
+  for (size_t i = 0; i < n; ++i) c = crc32c_table[(c ^ p[i]) & 0xff] ^ (c >> 8);
+  return ~c;
+}
+
+#if defined(__x86_64__)
+__attribute__((target("sse4.2"))) uint32_t crc32c_sse42(const uint8_t* p, size_t n) {
+  uint64_t c = ~0u;
+  for (; n >= 8; n -= 8, p += 8) {
+    uint64_t w;
+    std::memcpy(&w, p, 8);
+    c = _mm_crc32_u64(c, w);
+  }
+  uint32_t c32 = uint32_t(c);
+  for (; n > 0; --n, ++p) c32 = _mm_crc32_u8(c32, *p);
+  return ~c32;
+}
+#endif
+
+uint32_t crc32c(const uint8_t* p, size_t n) {
+#if defined(__x86_64__)
+  static const bool hardware = __builtin_cpu_supports("sse4.2");
+  if (hardware) return crc32c_sse42(p, n);
+#endif
+  return crc32c_software(p, n);
+}
+
+// ---- header sizes ----
+constexpr size_t roce_bth = 12, roce_reth = 16, roce_aeth = 4, roce_atomic_eth = 28, roce_atomic_ack = 8,
+                 imm_bytes = 4, trailer = 4;
+constexpr size_t stellar_base = 32, stellar_reth = 16, stellar_segment = 12;
+constexpr uint8_t stellar_magic = 0x53;  // 'S'
+constexpr uint8_t stellar_version = 1;
+
+bool roce_has_reth(uint8_t op) {
+  return op == opcode::write_first || op == opcode::write_only || op == opcode::write_only_imm ||
+         op == opcode::read_request;
+}
+bool roce_has_aeth(uint8_t op) {
+  return op == opcode::acknowledge || op == opcode::atomic_acknowledge || op == opcode::read_response_first ||
+         op == opcode::read_response_last || op == opcode::read_response_only;
+}
+bool is_atomic_request(uint8_t op) { return op == opcode::compare_swap || op == opcode::fetch_add; }
+bool carries_payload(uint8_t op) {
+  return opcode_is_send(op) || opcode_is_write(op) || opcode_is_read_response(op);
+}
+
+size_t roce_header_bytes(const Header& h) {
+  size_t n = roce_bth;
+  if (roce_has_reth(h.opcode)) n += roce_reth;
+  if (is_atomic_request(h.opcode)) n += roce_atomic_eth;
+  if (roce_has_aeth(h.opcode)) n += roce_aeth;
+  if (h.opcode == opcode::atomic_acknowledge) n += roce_atomic_ack;
+  if (opcode_has_imm(h.opcode)) n += imm_bytes;
+  return n;
+}
+
+size_t stellar_header_bytes(const Header& h) {
+  size_t n = stellar_base;
+  if (opcode_is_write(h.opcode) || h.opcode == opcode::read_request) n += stellar_reth;
+  if (carries_payload(h.opcode)) n += stellar_segment;
+  if (opcode_has_imm(h.opcode)) n += imm_bytes;
+  if (is_atomic_request(h.opcode)) n += roce_atomic_eth;
+  if (h.opcode == opcode::acknowledge || h.opcode == opcode::atomic_acknowledge) n += roce_aeth;
+  if (h.opcode == opcode::atomic_acknowledge) n += roce_atomic_ack;
+  return n;
+}
+
+uint8_t* put_atomic_eth(uint8_t* p, const Header& h) {
+  put64(p, h.remote_addr);
+  put32(p + 8, h.rkey);
+  put64(p + 12, h.swap_add);
+  put64(p + 20, h.compare);
+  return p + roce_atomic_eth;
+}
+const uint8_t* get_atomic_eth(const uint8_t* p, Header& h) {
+  h.remote_addr = get64(p);
+  h.rkey = get32(p + 8);
+  h.swap_add = get64(p + 12);
+  h.compare = get64(p + 20);
+  return p + roce_atomic_eth;
+}
+
+}  // namespace
+
+const char* to_string(Mode m) { return m == Mode::roce ? "roce" : "stellar"; }
+
+const char* to_string(DecodeError e) {
+  switch (e) {
+    case DecodeError::none: return "none";
+    case DecodeError::truncated: return "truncated";
+    case DecodeError::bad_version: return "bad version";
+    case DecodeError::bad_opcode: return "bad opcode";
+    case DecodeError::bad_checksum: return "bad checksum";
+    case DecodeError::bad_length: return "bad length";
+  }
+  return "?";
+}
+
+bool opcode_is_send(uint8_t op) { return op <= opcode::send_only_imm; }
+bool opcode_is_write(uint8_t op) { return op >= opcode::write_first && op <= opcode::write_only_imm; }
+bool opcode_is_read_response(uint8_t op) {
+  return op >= opcode::read_response_first && op <= opcode::read_response_only;
+}
+bool opcode_has_imm(uint8_t op) {
+  return op == opcode::send_last_imm || op == opcode::send_only_imm || op == opcode::write_last_imm ||
+         op == opcode::write_only_imm;
+}
+bool opcode_is_first(uint8_t op) {
+  switch (op) {
+    case opcode::send_first: case opcode::send_only: case opcode::send_only_imm:
+    case opcode::write_first: case opcode::write_only: case opcode::write_only_imm:
+    case opcode::read_response_first: case opcode::read_response_only:
+      return true;
+    default: return false;
+  }
+}
+bool opcode_is_last(uint8_t op) {
+  switch (op) {
+    case opcode::send_last: case opcode::send_last_imm: case opcode::send_only: case opcode::send_only_imm:
+    case opcode::write_last: case opcode::write_last_imm: case opcode::write_only: case opcode::write_only_imm:
+    case opcode::read_response_last: case opcode::read_response_only:
+      return true;
+    default: return false;
+  }
+}
+bool opcode_is_request(uint8_t op) {
+  return opcode_is_send(op) || opcode_is_write(op) || op == opcode::read_request || is_atomic_request(op);
+}
+
+size_t encoded_header_bytes(Mode mode, const Header& h) {
+  return (mode == Mode::roce ? roce_header_bytes(h) : stellar_header_bytes(h)) + trailer;
+}
+
+size_t payload_offset(Mode mode, const Header& h) {
+  return mode == Mode::roce ? roce_header_bytes(h) : stellar_header_bytes(h);
+}
+
+uint32_t roce_icrc(const uint8_t* datagram, size_t length, const IcrcAddresses& a) {
+  // The ICRC covers a dummy all-ones LRH, the IPv4 and UDP headers with their
+  // variant fields (TOS, TTL, checksums) forced to ones, and the BTH with its
+  // reserved byte forced to ones (IBTA Annex A17.3.3). We send from unconnected
+  // sockets with DF set, for which Linux writes IP id 0, so the pseudo header
+  // is fully determined by addresses and length.
+  uint8_t pseudo[8 + 20 + 8 + roce_bth];
+  std::memset(pseudo, 0xff, 8);
+  uint8_t* ip = pseudo + 8;
+  const uint16_t udp_length = uint16_t(8 + length);
+  ip[0] = 0x45;
+  ip[1] = 0xff;
+  put16(ip + 2, uint16_t(20 + udp_length));
+  put16(ip + 4, 0);
+  put16(ip + 6, 0x4000);
+  ip[8] = 0xff;
+  ip[9] = 17;
+  put16(ip + 10, 0xffff);
+  std::memcpy(ip + 12, &a.source_ip, 4);
+  std::memcpy(ip + 16, &a.destination_ip, 4);
+  uint8_t* udp = ip + 20;
+  put16(udp, a.source_port);
+  put16(udp + 2, a.destination_port);
+  put16(udp + 4, udp_length);
+  put16(udp + 6, 0xffff);
+  uint8_t* bth = udp + 8;
+  std::memcpy(bth, datagram, roce_bth);
+  bth[4] = 0xff;
+  uLong crc = crc32(0L, pseudo, sizeof pseudo);
+  crc = crc32(crc, datagram + roce_bth, uInt(length - roce_bth - trailer));
+  return uint32_t(crc);
+}
+
+size_t encode(Mode mode, const Header& h, uint8_t* out, size_t capacity, const IcrcAddresses& addresses) {
+  const size_t header = payload_offset(mode, h);
+  if (mode == Mode::roce) {
+    const uint32_t pad = (4 - (h.payload_length & 3)) & 3;
+    const size_t total = header + h.payload_length + pad + trailer;
+    if (total > capacity) return 0;
+    uint8_t* p = out;
+    p[0] = h.opcode;
+    p[1] = uint8_t((h.solicited ? 0x80 : 0) | 0x40 /* MigReq */ | pad << 4);
+    put16(p + 2, h.pkey);
+    p[4] = 0;
+    put24(p + 5, h.dest_qpn);
+    p[8] = h.ack_request ? 0x80 : 0;
+    put24(p + 9, h.psn & 0xffffff);
+    p += roce_bth;
+    if (roce_has_reth(h.opcode)) {
+      put64(p, h.remote_addr);
+      put32(p + 8, h.rkey);
+      put32(p + 12, h.dma_length);
+      p += roce_reth;
+    }
+    if (is_atomic_request(h.opcode)) p = put_atomic_eth(p, h);
+    if (roce_has_aeth(h.opcode)) {
+      p[0] = h.syndrome;
+      put24(p + 1, h.msn);
+      p += roce_aeth;
+    }
+    if (h.opcode == opcode::atomic_acknowledge) {
+      put64(p, h.atomic_original);
+      p += roce_atomic_ack;
+    }
+    if (opcode_has_imm(h.opcode)) {
+      put32(p, h.imm);
+      p += imm_bytes;
+    }
+    std::memset(out + header + h.payload_length, 0, pad);
+    const uint32_t icrc = roce_icrc(out, total, addresses);
+    std::memcpy(out + total - trailer, &icrc, 4);  // little-endian, as rxe and NICs emit it
+    return total;
+  }
+
+  const size_t total = header + h.payload_length + trailer;
+  if (total > capacity) return 0;
+  uint8_t* p = out;
+  p[0] = stellar_magic;
+  p[1] = stellar_version;
+  p[2] = h.opcode;
+  p[3] = uint8_t((h.ack_request ? 1 : 0) | (h.solicited ? 2 : 0) | (h.has_ack ? 4 : 0));
+  put16(p + 4, h.pkey);
+  put16(p + 6, uint16_t(header));
+  put32(p + 8, h.dest_qpn);
+  put32(p + 12, h.psn);
+  put32(p + 16, h.has_ack ? h.ack_psn : 0);
+  put64(p + 20, h.has_ack ? h.sack_bitmap : 0);
+  put32(p + 28, 0);
+  p += stellar_base;
+  if (opcode_is_write(h.opcode) || h.opcode == opcode::read_request) {
+    put64(p, h.remote_addr);
+    put32(p + 8, h.rkey);
+    put32(p + 12, h.dma_length);
+    p += stellar_reth;
+  }
+  if (carries_payload(h.opcode)) {
+    put32(p, h.message_offset);
+    put32(p + 4, h.message_length);
+    put32(p + 8, h.receive_sequence);
+    p += stellar_segment;
+  }
+  if (opcode_has_imm(h.opcode)) {
+    put32(p, h.imm);
+    p += imm_bytes;
+  }
+  if (is_atomic_request(h.opcode)) p = put_atomic_eth(p, h);
+  if (h.opcode == opcode::acknowledge || h.opcode == opcode::atomic_acknowledge) {
+    p[0] = h.syndrome;
+    put24(p + 1, h.msn);
+    p += roce_aeth;
+  }
+  if (h.opcode == opcode::atomic_acknowledge) put64(p, h.atomic_original);
+  put32(out + total - trailer, crc32c(out, total - trailer));
+  return total;
+}
+
+DecodeError decode(Mode mode, const uint8_t* data, size_t length, const IcrcAddresses& addresses, Header& h) {
+  h = Header{};
+  if (mode == Mode::roce) {
+    if (length < roce_bth + trailer) return DecodeError::truncated;
+    h.opcode = data[0];
+    if (h.opcode > opcode::last_valid) return DecodeError::bad_opcode;
+    if ((data[1] & 0x0f) != 0) return DecodeError::bad_version;  // TVer must be 0
+    const size_t header = roce_header_bytes(h);
+    const uint32_t pad = (data[1] >> 4) & 3;
+    if (length < header + pad + trailer) return DecodeError::truncated;
+    uint32_t icrc;
+    std::memcpy(&icrc, data + length - trailer, 4);
+    if (icrc != roce_icrc(data, length, addresses)) return DecodeError::bad_checksum;
+    h.solicited = data[1] & 0x80;
+    h.pkey = get16(data + 2);
+    h.dest_qpn = get24(data + 5);
+    h.ack_request = data[8] & 0x80;
+    h.psn = get24(data + 9);
+    const uint8_t* p = data + roce_bth;
+    if (roce_has_reth(h.opcode)) {
+      h.remote_addr = get64(p);
+      h.rkey = get32(p + 8);
+      h.dma_length = get32(p + 12);
+      p += roce_reth;
+    }
+    if (is_atomic_request(h.opcode)) p = get_atomic_eth(p, h);
+    if (roce_has_aeth(h.opcode)) {
+      h.syndrome = p[0];
+      h.msn = get24(p + 1);
+      p += roce_aeth;
+    }
+    if (h.opcode == opcode::atomic_acknowledge) {
+      h.atomic_original = get64(p);
+      p += roce_atomic_ack;
+    }
+    if (opcode_has_imm(h.opcode)) {
+      h.imm = get32(p);
+      p += imm_bytes;
+    }
+    h.payload = p;
+    h.payload_length = uint32_t(length - header - pad - trailer);
+    if (h.payload_length != 0 && !carries_payload(h.opcode)) return DecodeError::bad_length;
+    return DecodeError::none;
+  }
+
+  if (length < stellar_base + trailer) return DecodeError::truncated;
+  if (data[0] != stellar_magic || data[1] != stellar_version) return DecodeError::bad_version;
+  h.opcode = data[2];
+  if (h.opcode > opcode::last_valid) return DecodeError::bad_opcode;
+  const size_t header = stellar_header_bytes(h);
+  if (get16(data + 6) != header) return DecodeError::bad_length;
+  if (length < header + trailer) return DecodeError::truncated;
+  if (get32(data + length - trailer) != crc32c(data, length - trailer)) return DecodeError::bad_checksum;
+  const uint8_t flags = data[3];
+  h.ack_request = flags & 1;
+  h.solicited = flags & 2;
+  h.has_ack = flags & 4;
+  h.pkey = get16(data + 4);
+  h.dest_qpn = get32(data + 8);
+  h.psn = get32(data + 12);
+  h.ack_psn = get32(data + 16);
+  h.sack_bitmap = get64(data + 20);
+  const uint8_t* p = data + stellar_base;
+  if (opcode_is_write(h.opcode) || h.opcode == opcode::read_request) {
+    h.remote_addr = get64(p);
+    h.rkey = get32(p + 8);
+    h.dma_length = get32(p + 12);
+    p += stellar_reth;
+  }
+  if (carries_payload(h.opcode)) {
+    h.message_offset = get32(p);
+    h.message_length = get32(p + 4);
+    h.receive_sequence = get32(p + 8);
+    p += stellar_segment;
+  }
+  if (opcode_has_imm(h.opcode)) {
+    h.imm = get32(p);
+    p += imm_bytes;
+  }
+  if (is_atomic_request(h.opcode)) p = get_atomic_eth(p, h);
+  if (h.opcode == opcode::acknowledge || h.opcode == opcode::atomic_acknowledge) {
+    h.syndrome = p[0];
+    h.msn = get24(p + 1);
+    p += roce_aeth;
+  }
+  if (h.opcode == opcode::atomic_acknowledge) h.atomic_original = get64(p);
+  h.payload = data + header;
+  h.payload_length = uint32_t(length - header - trailer);
+  if (h.payload_length != 0 && !carries_payload(h.opcode)) return DecodeError::bad_length;
+  if (carries_payload(h.opcode) &&
+      (h.message_offset > h.message_length || h.payload_length > h.message_length - h.message_offset))
+    return DecodeError::bad_length;
+  (void)addresses;
+  return DecodeError::none;
+}
+
+bool peek_destination(Mode mode, const uint8_t* data, size_t length, uint16_t& pkey, uint32_t& dest_qpn) {
+  if (mode == Mode::roce) {
+    if (length < roce_bth) return false;
+    pkey = get16(data + 2);
+    dest_qpn = get24(data + 5);
+    return true;
+  }
+  if (length < stellar_base) return false;
+  pkey = get16(data + 4);
+  dest_qpn = get32(data + 8);
+  return true;
+}
+
+}  // namespace stellar::offload

@@ -1,0 +1,781 @@
+// The soft provider: hosts one offload engine per QP and feeds it datagrams
+// from a batched UDP socket (src/io). Runs on any Linux host.
+//
+// Locking: one mutex per context guards tenants, memory tables, QPs and their
+// engines; it is taken once per progress batch, not per packet. Each CQ has
+// its own mutex (order: context, then CQ).
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <random>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "core/providers.hpp"
+#include "io/udp_socket.hpp"
+#include "stellar/offload/engine.hpp"
+
+namespace stellar::provider {
+namespace {
+
+namespace off = stellar::offload;
+
+constexpr int rx_batch = 32;
+constexpr int tx_batch = 64;
+
+uint64_t monotonic_ns() {
+  timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return uint64_t(t.tv_sec) * 1'000'000'000ull + uint64_t(t.tv_nsec);
+}
+
+// The public and engine enums are kept in the same order.
+static_assert(int(WcStatus::rnr_retry_exceeded) == int(off::CompletionStatus::rnr_retry_exceeded));
+static_assert(int(WcOpcode::recv_rdma_with_imm) == int(off::CompletionOpcode::receive_rdma_with_imm));
+static_assert(int(WrOpcode::atomic_cmp_swap) == int(off::WorkOpcode::atomic_compare_swap));
+
+class SoftContext;
+class SoftPd;
+
+struct MrEntry {
+  uint64_t addr = 0, length = 0;
+  uint32_t access = 0;
+  const SoftPd* pd = nullptr;
+  uint32_t lkey = 0, rkey = 0;
+};
+
+struct Tenant {
+  std::string name;
+  uint16_t pkey = 0;
+  std::mt19937_64 random{std::random_device{}()};
+  std::unordered_map<uint32_t, MrEntry> by_rkey;
+  std::unordered_map<uint32_t, uint32_t> lkey_to_rkey;
+  std::unordered_map<uint32_t, bool> qpns;
+
+  uint32_t fresh_key() {
+    for (;;) {
+      const uint32_t k = uint32_t(random());
+      if (k != 0 && !by_rkey.count(k) && !lkey_to_rkey.count(k)) return k;
+    }
+  }
+  uint32_t fresh_qpn() {
+    for (;;) {
+      const uint32_t q = uint32_t(random() & 0xffffff);
+      if (q > 1 && !qpns.count(q)) return q;
+    }
+  }
+};
+
+class SoftCq final : public CompletionQueue {
+ public:
+  SoftCq(std::shared_ptr<SoftContext> context, uint32_t entries);
+  ~SoftCq() override { ::close(event_fd_); }
+  int poll(std::span<WorkCompletion> out) override;
+  Result<int> wait(std::span<WorkCompletion> out, std::chrono::nanoseconds timeout) override;
+  int fd() const override { return event_fd_; }
+  Status request_notify() override {
+    armed_.store(true);
+    std::lock_guard lock(mutex_);
+    if (count_ > 0) signal();
+    return {};
+  }
+  uint32_t capacity() const override { return uint32_t(ring_.size()); }
+
+  void push(const off::Completion& c) {
+    std::lock_guard lock(mutex_);
+    if (count_ == ring_.size()) {
+      ++overflows_;  // the CQ is undersized: like a verbs CQ overrun, the entry is lost
+      return;
+    }
+    WorkCompletion& w = ring_[(head_ + count_) % ring_.size()];
+    w.wr_id = c.wr_id;
+    w.status = WcStatus(int(c.status));
+    w.opcode = WcOpcode(int(c.opcode));
+    w.byte_len = c.byte_length;
+    w.imm_data = c.imm;
+    w.has_imm = c.has_imm;
+    w.qp_num = c.qp_number;
+    ++count_;
+    if (armed_.load(std::memory_order_relaxed)) signal();
+  }
+
+ private:
+  void signal() {
+    armed_.store(false);
+    const uint64_t one = 1;
+    [[maybe_unused]] ssize_t r = ::write(event_fd_, &one, sizeof one);
+  }
+  int take(std::span<WorkCompletion> out) {
+    std::lock_guard lock(mutex_);
+    int n = 0;
+    while (count_ > 0 && size_t(n) < out.size()) {
+      out[size_t(n++)] = ring_[head_];
+      head_ = (head_ + 1) % ring_.size();
+      --count_;
+    }
+    return n;
+  }
+  std::shared_ptr<SoftContext> context_;
+  std::mutex mutex_;
+  std::vector<WorkCompletion> ring_;
+  size_t head_ = 0, count_ = 0;
+  uint64_t overflows_ = 0;
+  std::atomic<bool> armed_{false};
+  int event_fd_ = -1;
+};
+
+class SoftQp;
+
+class SoftContext final : public Context {
+ public:
+  explicit SoftContext(const ContextOptions& options) : options_(options) {}
+  ~SoftContext() override {
+    running_.store(false);
+    if (thread_.joinable()) {
+      kick();
+      thread_.join();
+    }
+    if (kick_fd_ >= 0) ::close(kick_fd_);
+  }
+
+  Status start() {
+    Status s;
+    if (options_.mode == Mode::roce && options_.udp_port == 0) {
+      s = socket_.open(options_.bind_address, off::roce_udp_port);
+      if (!s.ok()) socket_.~UdpSocket(), new (&socket_) io::UdpSocket();
+    }
+    if (socket_.fd() < 0 || !s.ok()) {
+      s = socket_.open(options_.bind_address, options_.udp_port);
+      if (!s.ok()) return s;
+    }
+    kick_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    const uint32_t capacity = options_.mtu + uint32_t(off::max_header_bytes) + 64;
+    rx_memory_.resize(size_t(rx_batch) * capacity);
+    tx_memory_.resize(size_t(tx_batch) * capacity);
+    held_.resize(capacity);
+    for (int i = 0; i < rx_batch; ++i) rx_[i] = io::Datagram{rx_memory_.data() + size_t(i) * capacity, capacity, 0, {}};
+    for (int i = 0; i < tx_batch; ++i) {
+      tx_[i] = off::TxBuffer{tx_memory_.data() + size_t(i) * capacity, capacity, 0};
+      out_[i] = io::Datagram{tx_[i].data, capacity, 0, {}};
+    }
+    fault_random_.seed(options_.faults.seed ? options_.faults.seed : std::random_device{}());
+    faults_on_ = options_.faults.drop > 0 || options_.faults.duplicate > 0 || options_.faults.reorder > 0;
+    auto& t = tenants_[""];
+    t.name = "";
+    t.pkey = 0xffff;
+    if (options_.progress == ProgressMode::thread) {
+      running_.store(true);
+      thread_ = std::thread([this] { engine_thread(); });
+    }
+    return {};
+  }
+
+  Status create_tenant(const std::string& name, const TenantOptions& o) override {
+    std::lock_guard lock(mutex_);
+    if (name.empty() || tenants_.count(name)) return Status(Errc::invalid_argument, "tenant '" + name + "' exists or has no name");
+    uint16_t pkey = o.pkey;
+    auto used = [&](uint16_t k) {
+      for (auto& [n, t] : tenants_)
+        if (t.pkey == k) return true;
+      return false;
+    };
+    if (pkey == 0) {
+      pkey = 0x8001;
+      while (used(pkey)) ++pkey;
+    } else if (used(pkey)) {
+      return Status(Errc::invalid_argument, "partition key " + std::to_string(pkey) + " belongs to another tenant");
+    }
+    Tenant& t = tenants_[name];
+    t.name = name;
+    t.pkey = pkey;
+    return {};
+  }
+
+  Result<std::shared_ptr<ProtectionDomain>> allocate_pd(const std::string& tenant) override;
+
+  Result<std::shared_ptr<CompletionQueue>> create_cq(uint32_t entries) override {
+    if (entries == 0 || entries > (1u << 22)) return Status(Errc::invalid_argument, "CQ entries must be in [1, 4194304]");
+    return std::shared_ptr<CompletionQueue>(std::make_shared<SoftCq>(self(), entries));
+  }
+
+  void progress() override {
+    if (options_.progress == ProgressMode::thread) return;
+    std::lock_guard lock(mutex_);
+    progress_locked(monotonic_ns());
+  }
+  int progress_fd() const override { return socket_.fd(); }
+  ContextCounters counters() const override;
+  const ContextOptions& options() const override { return options_; }
+  std::string local_address() const override { return io::format_ipv4(socket_.local()); }
+  uint16_t local_port() const override { return ntohs(socket_.local().sin_port); }
+
+  std::shared_ptr<SoftContext> self() { return std::static_pointer_cast<SoftContext>(shared_from_this()); }
+
+  // Blocks in the kernel until a datagram, a kick, `extra_fd` or the next
+  // engine timer (at most `limit_ns`).
+  void sleep_until_work(uint64_t limit_ns, int extra_fd) {
+    uint64_t wake;
+    {
+      std::lock_guard lock(mutex_);
+      wake = next_wakeup_locked(monotonic_ns());
+    }
+    const uint64_t now = monotonic_ns();
+    const uint64_t until = std::min(limit_ns, wake);
+    if (until <= now) return;
+    pollfd fds[3] = {{socket_.fd(), POLLIN, 0}, {kick_fd_, POLLIN, 0}, {extra_fd, POLLIN, 0}};
+    const int timeout_ms = int(std::min<uint64_t>((until - now + 999'999) / 1'000'000, 1000));
+    ::poll(fds, extra_fd >= 0 ? 3 : 2, timeout_ms);
+    if (fds[1].revents & POLLIN) {
+      uint64_t v;
+      [[maybe_unused]] ssize_t r = ::read(kick_fd_, &v, sizeof v);
+    }
+  }
+
+  void kick() {
+    const uint64_t one = 1;
+    [[maybe_unused]] ssize_t r = ::write(kick_fd_, &one, sizeof one);
+  }
+
+  std::mutex mutex_;
+  ContextOptions options_;
+  std::map<std::string, Tenant> tenants_;
+  std::unordered_map<uint64_t, SoftQp*> qps_;  // (pkey << 32 | qpn) -> QP with an engine
+  off::EngineCounters retired_{};               // counters of destroyed QPs
+
+  // Sends what `engine` has due now, to `peer`.
+  void flush_engine(off::QpEngine& engine, const sockaddr_in& peer, uint64_t now) {
+    for (;;) {
+      const size_t n = engine.transmit(tx_, tx_batch, now);
+      if (n == 0) return;
+      send_datagrams(n, peer);
+      if (n < size_t(tx_batch)) return;
+    }
+  }
+
+  bool progress_locked(uint64_t now);
+  uint64_t next_wakeup_locked(uint64_t now);
+  const sockaddr_in& local_socket() const { return socket_.local(); }
+
+ private:
+  void engine_thread();
+  void send_datagrams(size_t n, const sockaddr_in& peer);
+  double uniform() { return std::uniform_real_distribution<double>(0, 1)(fault_random_); }
+
+  io::UdpSocket socket_;
+  int kick_fd_ = -1;
+  std::vector<uint8_t> rx_memory_, tx_memory_, held_;
+  io::Datagram rx_[rx_batch];
+  off::TxBuffer tx_[tx_batch];
+  io::Datagram out_[tx_batch + 1];
+  uint32_t held_length_ = 0;
+  sockaddr_in held_peer_{};
+  bool faults_on_ = false;
+  std::mt19937_64 fault_random_;
+  std::thread thread_;
+  std::atomic<bool> running_{false};
+  uint64_t malformed_ = 0, unknown_qp_ = 0, send_errors_ = 0;
+  uint64_t fault_dropped_ = 0, fault_duplicated_ = 0, fault_reordered_ = 0;
+};
+
+class SoftPd final : public ProtectionDomain, public std::enable_shared_from_this<SoftPd> {
+ public:
+  SoftPd(std::shared_ptr<SoftContext> context, std::string tenant) : context_(std::move(context)), tenant_(std::move(tenant)) {}
+  Result<std::unique_ptr<MemoryRegion>> register_memory(void* addr, size_t length, uint32_t access) override;
+  Result<std::shared_ptr<QueuePair>> create_qp(const QpInitAttributes&) override;
+  const std::string& tenant() const override { return tenant_; }
+  SoftContext& context() const { return *context_; }
+
+ private:
+  std::shared_ptr<SoftContext> context_;
+  std::string tenant_;
+};
+
+class SoftMr final : public MemoryRegion {
+ public:
+  SoftMr(std::shared_ptr<SoftPd> pd, MrEntry e) : pd_(std::move(pd)), e_(e) {}
+  ~SoftMr() override {
+    SoftContext& c = pd_->context();
+    std::lock_guard lock(c.mutex_);
+    Tenant& t = c.tenants_.at(pd_->tenant());
+    t.by_rkey.erase(e_.rkey);
+    t.lkey_to_rkey.erase(e_.lkey);
+  }
+  uint32_t lkey() const override { return e_.lkey; }
+  uint32_t rkey() const override { return e_.rkey; }
+  uint64_t addr() const override { return e_.addr; }
+  uint64_t length() const override { return e_.length; }
+  uint32_t access() const override { return e_.access; }
+
+ private:
+  std::shared_ptr<SoftPd> pd_;
+  MrEntry e_;
+};
+
+Result<std::unique_ptr<MemoryRegion>> SoftPd::register_memory(void* addr, size_t length, uint32_t access) {
+  if (!addr && length) return Status(Errc::invalid_argument, "register_memory: null address");
+  if (access & ~uint32_t(access_local_write | access_remote_write | access_remote_read | access_remote_atomic))
+    return Status(Errc::invalid_argument, "register_memory: unknown access bits");
+  if ((access & (access_remote_write | access_remote_atomic)) && !(access & access_local_write))
+    return Status(Errc::invalid_argument, "register_memory: remote write/atomic access requires local write (as in verbs)");
+  std::lock_guard lock(context_->mutex_);
+  Tenant& t = context_->tenants_.at(tenant_);
+  MrEntry e{reinterpret_cast<uint64_t>(addr), length, access, this, 0, 0};
+  e.rkey = t.fresh_key();
+  t.by_rkey[e.rkey] = e;  // reserve before drawing the lkey
+  e.lkey = t.fresh_key();
+  t.by_rkey[e.rkey] = e;
+  t.lkey_to_rkey[e.lkey] = e.rkey;
+  return std::unique_ptr<MemoryRegion>(std::make_unique<SoftMr>(shared_from_this(), e));
+}
+
+class SoftQp final : public QueuePair, public off::MemoryAccess, public off::CompletionSink {
+ public:
+  SoftQp(std::shared_ptr<SoftPd> pd, const QpInitAttributes& attr, uint32_t qpn, uint16_t pkey)
+      : pd_(std::move(pd)),
+        send_cq_(std::static_pointer_cast<SoftCq>(attr.send_cq)),
+        recv_cq_(std::static_pointer_cast<SoftCq>(attr.recv_cq)),
+        cap_(attr.cap),
+        qpn_(qpn),
+        pkey_(pkey) {
+    std::random_device r;
+    psn_ = r() & 0xffffff;
+  }
+  ~SoftQp() override {
+    SoftContext& c = context();
+    std::lock_guard lock(c.mutex_);
+    Tenant& t = c.tenants_.at(pd_->tenant());
+    t.qpns.erase(qpn_);
+    if (engine_) {
+      c.qps_.erase(uint64_t(pkey_) << 32 | qpn_);
+      const off::EngineCounters& e = engine_->counters();
+      off::EngineCounters& r = c.retired_;
+      r.tx_packets += e.tx_packets, r.tx_bytes += e.tx_bytes, r.rx_packets += e.rx_packets, r.rx_bytes += e.rx_bytes;
+      r.retransmitted_packets += e.retransmitted_packets, r.timeouts += e.timeouts, r.duplicates += e.duplicates;
+      r.out_of_window += e.out_of_window, r.access_errors += e.access_errors, r.decode_errors += e.decode_errors;
+      r.rnr_naks_sent += e.rnr_naks_sent, r.unexpected_packets += e.unexpected_packets;
+    }
+  }
+
+  uint32_t qp_num() const override { return qpn_; }
+  QpState state() const override {
+    std::lock_guard lock(const_cast<SoftQp*>(this)->context().mutex_);
+    return engine_ && engine_->in_error() ? QpState::error : state_;
+  }
+
+  Status modify(const QpModify& m) override {
+    SoftContext& c = context();
+    std::lock_guard lock(c.mutex_);
+    const QpState current = engine_ && engine_->in_error() ? QpState::error : state_;
+    auto bad = [&] {
+      return Status(Errc::wrong_state, std::string("QP ") + std::to_string(qpn_) + ": cannot go from " + to_string(current) +
+                                           " to " + to_string(m.state));
+    };
+    switch (m.state) {
+      case QpState::init:
+        if (current != QpState::reset && current != QpState::init) return bad();
+        access_ = m.access;
+        state_ = QpState::init;
+        return {};
+      case QpState::rtr: {
+        if (current != QpState::init) return bad();
+        if (m.remote.mode != c.options_.mode)
+          return Status(Errc::invalid_argument, std::string("peer speaks mode ") + to_string(m.remote.mode) + ", this context " +
+                                                    to_string(c.options_.mode));
+        if (m.remote.pkey != pkey_) return Status(Errc::permission_denied, "peer QP belongs to another partition (tenant)");
+        auto peer = io::parse_ipv4(m.remote.address, m.remote.udp_port);
+        if (!peer) return peer.status();
+        peer_ = *peer;
+        off::EngineConfig e;
+        e.mode = c.options_.mode == Mode::roce ? off::Mode::roce : off::Mode::stellar;
+        e.mtu = std::min(c.options_.mtu, m.remote.mtu);
+        e.max_send_wr = cap_.max_send_wr;
+        e.max_recv_wr = cap_.max_recv_wr;
+        e.pkey = pkey_;
+        e.local_qpn = qpn_;
+        e.remote_qpn = m.remote.qp_num;
+        e.send_psn = psn_;
+        e.receive_psn = m.remote.psn;
+        e.rto_min_ns = e.rto_initial_ns = uint64_t(m.timing.rto_min.count());
+        e.rto_max_ns = std::max<uint64_t>(e.rto_min_ns, uint64_t(m.timing.rto_max.count()));
+        e.retry_count = m.timing.retry_count;
+        e.rnr_retry = m.timing.rnr_retry;
+        switch (c.options_.congestion_control) {
+          case CongestionControl::automatic:
+            e.cc = e.mode == off::Mode::roce ? off::CcAlgorithm::dcqcn : off::CcAlgorithm::swift;
+            break;
+          case CongestionControl::none: e.cc = off::CcAlgorithm::none; break;
+          case CongestionControl::dcqcn: e.cc = off::CcAlgorithm::dcqcn; break;
+          case CongestionControl::swift: e.cc = off::CcAlgorithm::swift; break;
+        }
+        e.cc_config.line_rate_bps = c.options_.line_rate_bps;
+        const sockaddr_in& local = c.local_socket();
+        e.tx_addresses = off::IcrcAddresses{local.sin_addr.s_addr, peer_.sin_addr.s_addr, ntohs(local.sin_port), ntohs(peer_.sin_port)};
+        rx_addresses_ = off::IcrcAddresses{peer_.sin_addr.s_addr, local.sin_addr.s_addr, ntohs(peer_.sin_port), ntohs(local.sin_port)};
+        engine_ = std::make_unique<off::QpEngine>(e, *this, *this);
+        for (auto& r : early_receives_) engine_->post_receive(r);
+        early_receives_.clear();
+        c.qps_[uint64_t(pkey_) << 32 | qpn_] = this;
+        state_ = QpState::rtr;
+        return {};
+      }
+      case QpState::rts:
+        if (current != QpState::rtr) return bad();
+        state_ = QpState::rts;
+        return {};
+      case QpState::error:
+        state_ = QpState::error;
+        if (engine_) engine_->enter_error();
+        else flush_early_receives();
+        return {};
+      case QpState::reset:
+        return Status(Errc::unsupported, "moving a QP back to RESET is not supported; create a new QP");
+    }
+    return bad();
+  }
+
+  Status post_send(const SendWr& wr) override {
+    SoftContext& c = context();
+    std::lock_guard lock(c.mutex_);
+    const QpState current = engine_ && engine_->in_error() ? QpState::error : state_;
+    if (current != QpState::rts && current != QpState::error)
+      return Status(Errc::wrong_state, std::string("post_send on QP ") + std::to_string(qpn_) + " in " + to_string(current) + " (needs RTS)");
+    if (wr.sg_list.size() > cap_.max_send_sge || wr.sg_list.size() > off::max_segments)
+      return Status(Errc::invalid_argument, "post_send: " + std::to_string(wr.sg_list.size()) + " SGEs exceed max_send_sge");
+    off::SendWork w;
+    w.wr_id = wr.wr_id;
+    w.opcode = off::WorkOpcode(int(wr.opcode));
+    w.signaled = wr.flags & send_signaled;
+    w.solicited = wr.flags & send_solicited;
+    w.inline_data = wr.flags & send_inline;
+    w.remote_addr = wr.remote_addr;
+    w.rkey = wr.rkey;
+    w.imm = wr.imm_data;
+    w.compare_add = wr.compare_add;
+    w.swap = wr.swap;
+    const bool writes_local = wr.opcode == WrOpcode::rdma_read || wr.opcode == WrOpcode::atomic_fetch_add ||
+                              wr.opcode == WrOpcode::atomic_cmp_swap;
+    uint64_t total = 0;
+    for (const Sge& s : wr.sg_list) total += s.length;
+    if (w.inline_data && total > cap_.max_inline_data)
+      return Status(Errc::invalid_argument, "post_send: inline payload " + std::to_string(total) + " bytes exceeds max_inline_data");
+    if (w.inline_data && writes_local) return Status(Errc::invalid_argument, "post_send: inline is only for sends and writes");
+    if ((wr.opcode == WrOpcode::atomic_fetch_add || wr.opcode == WrOpcode::atomic_cmp_swap) && (total != 8 || wr.remote_addr % 8))
+      return Status(Errc::invalid_argument, "post_send: atomics need one 8-byte local buffer and an 8-byte aligned remote address");
+    if (Status s = translate(wr.sg_list, w.segments, w.inline_data, writes_local ? access_local_write : 0); !s.ok()) return s;
+    w.segment_count = uint32_t(wr.sg_list.size());
+    if (!engine_) return Status(Errc::wrong_state, "post_send: QP has no connection");
+    switch (engine_->post_send(w, monotonic_ns())) {
+      case off::PostResult::ok: break;
+      case off::PostResult::queue_full: return Status(Errc::queue_full, "post_send: send queue full (max_send_wr " + std::to_string(cap_.max_send_wr) + ")");
+      case off::PostResult::invalid_argument: return Status(Errc::invalid_argument, "post_send: rejected by the transport (message too large?)");
+      case off::PostResult::qp_in_error: return Status(Errc::wrong_state, "post_send: QP in ERROR");
+    }
+    if (c.options_.progress == ProgressMode::inline_poll) c.flush_engine(*engine_, peer_, monotonic_ns());
+    else c.kick();
+    return {};
+  }
+
+  Status post_recv(const RecvWr& wr) override {
+    SoftContext& c = context();
+    std::lock_guard lock(c.mutex_);
+    if (state_ == QpState::reset) return Status(Errc::wrong_state, "post_recv on QP " + std::to_string(qpn_) + " in RESET (needs INIT or later)");
+    if (wr.sg_list.size() > cap_.max_recv_sge || wr.sg_list.size() > off::max_segments)
+      return Status(Errc::invalid_argument, "post_recv: too many SGEs");
+    off::ReceiveWork r;
+    r.wr_id = wr.wr_id;
+    if (Status s = translate(wr.sg_list, r.segments, false, access_local_write); !s.ok()) return s;
+    r.segment_count = uint32_t(wr.sg_list.size());
+    if (!engine_) {
+      if (state_ == QpState::error) {
+        recv_cq_->push(off::Completion{r.wr_id, off::CompletionStatus::work_request_flushed, off::CompletionOpcode::receive, 0, 0, false, qpn_});
+        return {};
+      }
+      if (early_receives_.size() >= cap_.max_recv_wr) return Status(Errc::queue_full, "post_recv: receive queue full");
+      early_receives_.push_back(r);
+      return {};
+    }
+    switch (engine_->post_receive(r)) {
+      case off::PostResult::ok: return {};
+      case off::PostResult::queue_full: return Status(Errc::queue_full, "post_recv: receive queue full (max_recv_wr " + std::to_string(cap_.max_recv_wr) + ")");
+      default: return Status(Errc::invalid_argument, "post_recv: rejected");
+    }
+  }
+
+  QpEndpoint local_endpoint() const override {
+    SoftContext& c = const_cast<SoftQp*>(this)->context();
+    return QpEndpoint{c.local_address(), c.local_port(), qpn_, psn_, c.options_.mtu, pkey_, c.options_.mode};
+  }
+
+  // MemoryAccess: remote keys of this QP's tenant, for regions of this PD.
+  uint8_t* resolve(uint32_t rkey, uint64_t address, uint64_t length, uint32_t access) override {
+    Tenant& t = *tenant_;
+    auto it = t.by_rkey.find(rkey);
+    if (it == t.by_rkey.end()) return nullptr;
+    const MrEntry& e = it->second;
+    if (e.pd != pd_.get() || (e.access & access) != access || !(access_ & access)) return nullptr;
+    if (address < e.addr || length > e.length || address - e.addr > e.length - length) return nullptr;
+    return reinterpret_cast<uint8_t*>(address);
+  }
+  void deliver(const off::Completion& c) override { (c.is_receive() ? recv_cq_ : send_cq_)->push(c); }
+
+  off::QpEngine* engine() { return engine_.get(); }
+  const sockaddr_in& peer() const { return peer_; }
+  const off::IcrcAddresses& rx_addresses() const { return rx_addresses_; }
+  void bind_tenant(Tenant* t) { tenant_ = t; }
+
+ private:
+  SoftContext& context() { return pd_->context(); }
+
+  Status translate(std::span<const Sge> list, off::Segment* out, bool inline_data, uint32_t need) {
+    Tenant& t = *tenant_;
+    for (size_t i = 0; i < list.size(); ++i) {
+      const Sge& s = list[i];
+      out[i] = off::Segment{reinterpret_cast<uint8_t*>(s.addr), s.length};
+      if (inline_data || s.length == 0) continue;
+      auto k = t.lkey_to_rkey.find(s.lkey);
+      if (k == t.lkey_to_rkey.end())
+        return Status(Errc::permission_denied, "SGE " + std::to_string(i) + ": lkey " + std::to_string(s.lkey) + " is not registered in this tenant");
+      const MrEntry& e = t.by_rkey.at(k->second);
+      if (e.pd != pd_.get()) return Status(Errc::permission_denied, "SGE " + std::to_string(i) + ": lkey belongs to another protection domain");
+      if (s.addr < e.addr || s.length > e.length || s.addr - e.addr > e.length - s.length)
+        return Status(Errc::permission_denied, "SGE " + std::to_string(i) + ": outside its memory region");
+      if ((e.access & need) != need) return Status(Errc::permission_denied, "SGE " + std::to_string(i) + ": region lacks local write access");
+    }
+    return {};
+  }
+
+  void flush_early_receives() {
+    for (auto& r : early_receives_)
+      recv_cq_->push(off::Completion{r.wr_id, off::CompletionStatus::work_request_flushed, off::CompletionOpcode::receive, 0, 0, false, qpn_});
+    early_receives_.clear();
+  }
+
+  std::shared_ptr<SoftPd> pd_;
+  std::shared_ptr<SoftCq> send_cq_, recv_cq_;
+  QpCapabilities cap_;
+  uint32_t qpn_;
+  uint16_t pkey_;
+  uint32_t psn_ = 0;
+  uint32_t access_ = 0;
+  Tenant* tenant_ = nullptr;
+  QpState state_ = QpState::reset;
+  sockaddr_in peer_{};
+  off::IcrcAddresses rx_addresses_{};
+  std::unique_ptr<off::QpEngine> engine_;
+  std::vector<off::ReceiveWork> early_receives_;
+};
+
+SoftCq::SoftCq(std::shared_ptr<SoftContext> context, uint32_t entries)
+    : context_(std::move(context)), ring_(entries), event_fd_(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) {}
+
+int SoftCq::poll(std::span<WorkCompletion> out) {
+  if (int n = take(out); n > 0) return n;
+  context_->progress();
+  return take(out);
+}
+
+Result<int> SoftCq::wait(std::span<WorkCompletion> out, std::chrono::nanoseconds timeout) {
+  const uint64_t start = monotonic_ns();
+  const uint64_t deadline = start + uint64_t(std::max<int64_t>(0, timeout.count()));
+  const ContextOptions& o = context_->options();
+  const bool adaptive = o.wait == WaitPolicy::adaptive;
+  for (;;) {
+    if (int n = poll(out); n > 0) return n;
+    const uint64_t now = monotonic_ns();
+    if (now >= deadline) return Status(Errc::timeout, "no completion within the timeout");
+    if (adaptive && now - start >= uint64_t(o.spin_time.count())) {
+      // Arm the CQ's fd, re-check, then sleep until a datagram, a timer or a completion.
+      armed_.store(true);
+      if (int n = take(out); n > 0) return n;
+      context_->sleep_until_work(deadline, event_fd_);
+      uint64_t v;
+      [[maybe_unused]] ssize_t r = ::read(event_fd_, &v, sizeof v);
+    } else if (o.progress == ProgressMode::thread) {
+      std::this_thread::yield();
+    }
+  }
+}
+
+Result<std::shared_ptr<ProtectionDomain>> SoftContext::allocate_pd(const std::string& tenant) {
+  std::lock_guard lock(mutex_);
+  if (!tenants_.count(tenant)) return Status(Errc::not_found, "no tenant named '" + tenant + "'");
+  return std::shared_ptr<ProtectionDomain>(std::make_shared<SoftPd>(self(), tenant));
+}
+
+Result<std::shared_ptr<QueuePair>> SoftPd::create_qp(const QpInitAttributes& attr) {
+  if (!attr.send_cq || !attr.recv_cq) return Status(Errc::invalid_argument, "create_qp: send_cq and recv_cq are required");
+  if (!dynamic_cast<SoftCq*>(attr.send_cq.get()) || !dynamic_cast<SoftCq*>(attr.recv_cq.get()))
+    return Status(Errc::invalid_argument, "create_qp: CQs come from another provider");
+  const QpCapabilities& c = attr.cap;
+  if (c.max_send_wr == 0 || c.max_send_wr > 65536 || c.max_recv_wr == 0 || c.max_recv_wr > 65536)
+    return Status(Errc::invalid_argument, "create_qp: max_send_wr/max_recv_wr must be in [1, 65536]");
+  if (c.max_send_sge > offload::max_segments || c.max_recv_sge > offload::max_segments)
+    return Status(Errc::invalid_argument, "create_qp: at most " + std::to_string(offload::max_segments) + " SGEs");
+  if (c.max_inline_data > offload::max_inline_bytes)
+    return Status(Errc::invalid_argument, "create_qp: max_inline_data above " + std::to_string(offload::max_inline_bytes));
+  std::shared_ptr<SoftQp> qp;
+  {
+    std::lock_guard lock(context_->mutex_);
+    Tenant& t = context_->tenants_.at(tenant_);
+    const uint32_t qpn = t.fresh_qpn();
+    t.qpns[qpn] = true;
+    qp = std::make_shared<SoftQp>(shared_from_this(), attr, qpn, t.pkey);
+    qp->bind_tenant(&t);
+  }
+  return std::shared_ptr<QueuePair>(qp);
+}
+
+void SoftContext::send_datagrams(size_t n, const sockaddr_in& peer) {
+  int count = 0;
+  for (size_t i = 0; i < n; ++i) {
+    io::Datagram d{tx_[i].data, tx_[i].capacity, tx_[i].length, peer};
+    if (faults_on_) {
+      if (uniform() < options_.faults.drop) {
+        ++fault_dropped_;
+        continue;
+      }
+      if (held_length_ == 0 && uniform() < options_.faults.reorder) {
+        std::memcpy(held_.data(), d.data, d.length);  // sent after the next datagram
+        held_length_ = d.length;
+        held_peer_ = peer;
+        ++fault_reordered_;
+        continue;
+      }
+    }
+    out_[count++] = d;
+    if (faults_on_) {
+      if (uniform() < options_.faults.duplicate && count < tx_batch) {
+        out_[count++] = d;
+        ++fault_duplicated_;
+      }
+      if (held_length_ && count < tx_batch) {
+        out_[count++] = io::Datagram{held_.data(), uint32_t(held_.size()), held_length_, held_peer_};
+        held_length_ = 0;
+      }
+    }
+    if (count >= tx_batch - 1) {
+      int error = 0;
+      const int sent = socket_.send_batch(out_, count, error);
+      if (sent < count) send_errors_ += uint64_t(count - sent);
+      count = 0;
+    }
+  }
+  if (count) {
+    int error = 0;
+    const int sent = socket_.send_batch(out_, count, error);
+    if (sent < count) send_errors_ += uint64_t(count - sent);
+  }
+}
+
+bool SoftContext::progress_locked(uint64_t now) {
+  bool work = false;
+  const off::Mode mode = options_.mode == Mode::roce ? off::Mode::roce : off::Mode::stellar;
+  for (int round = 0; round < 4; ++round) {
+    const int n = socket_.receive_batch(rx_, rx_batch);
+    if (n == 0) break;
+    work = true;
+    for (int i = 0; i < n; ++i) {
+      uint16_t pkey;
+      uint32_t qpn;
+      if (!off::peek_destination(mode, rx_[i].data, rx_[i].length, pkey, qpn)) {
+        ++malformed_;
+        continue;
+      }
+      auto it = qps_.find(uint64_t(pkey) << 32 | qpn);
+      if (it == qps_.end()) {
+        ++unknown_qp_;
+        continue;
+      }
+      it->second->engine()->receive(rx_[i].data, rx_[i].length, it->second->rx_addresses(), now);
+    }
+    if (n < rx_batch) break;
+  }
+  for (auto& [key, qp] : qps_) {
+    off::QpEngine& e = *qp->engine();
+    if (e.next_wakeup_ns(now) <= now) {
+      flush_engine(e, qp->peer(), now);
+      work = true;
+    }
+  }
+  if (held_length_) {
+    // A datagram held back for reordering goes out now if nothing overtook it.
+    io::Datagram d{held_.data(), uint32_t(held_.size()), held_length_, held_peer_};
+    int error = 0;
+    if (socket_.send_batch(&d, 1, error) != 1) ++send_errors_;
+    held_length_ = 0;
+  }
+  return work;
+}
+
+uint64_t SoftContext::next_wakeup_locked(uint64_t now) {
+  uint64_t t = UINT64_MAX;
+  for (auto& [key, qp] : qps_) t = std::min(t, qp->engine()->next_wakeup_ns(now));
+  return t;
+}
+
+void SoftContext::engine_thread() {
+  uint64_t idle_since = monotonic_ns();
+  while (running_.load(std::memory_order_relaxed)) {
+    bool work;
+    {
+      std::lock_guard lock(mutex_);
+      work = progress_locked(monotonic_ns());
+    }
+    const uint64_t now = monotonic_ns();
+    if (work) {
+      idle_since = now;
+    } else if (options_.wait == WaitPolicy::adaptive && now - idle_since >= uint64_t(options_.spin_time.count())) {
+      sleep_until_work(now + 10'000'000, -1);
+      idle_since = monotonic_ns();
+    }
+  }
+}
+
+ContextCounters SoftContext::counters() const {
+  auto& self = const_cast<SoftContext&>(*this);
+  std::lock_guard lock(self.mutex_);
+  off::EngineCounters sum = retired_;
+  for (auto& [key, qp] : qps_) {
+    const off::EngineCounters& e = qp->engine()->counters();
+    sum.tx_packets += e.tx_packets, sum.tx_bytes += e.tx_bytes, sum.rx_packets += e.rx_packets, sum.rx_bytes += e.rx_bytes;
+    sum.retransmitted_packets += e.retransmitted_packets, sum.timeouts += e.timeouts, sum.duplicates += e.duplicates;
+    sum.out_of_window += e.out_of_window, sum.access_errors += e.access_errors, sum.decode_errors += e.decode_errors;
+    sum.rnr_naks_sent += e.rnr_naks_sent, sum.unexpected_packets += e.unexpected_packets;
+  }
+  ContextCounters c;
+  c.tx_packets = sum.tx_packets;
+  c.tx_bytes = sum.tx_bytes;
+  c.rx_packets = sum.rx_packets;
+  c.rx_bytes = sum.rx_bytes;
+  c.retransmitted_packets = sum.retransmitted_packets;
+  c.timeouts = sum.timeouts;
+  c.rx_dropped_malformed = malformed_ + sum.decode_errors;
+  c.rx_dropped_unknown_qp = unknown_qp_ + sum.unexpected_packets;
+  c.rx_dropped_out_of_window = sum.out_of_window;
+  c.rx_duplicates = sum.duplicates;
+  c.rx_access_errors = sum.access_errors;
+  c.rnr_naks_sent = sum.rnr_naks_sent;
+  c.fault_dropped = fault_dropped_;
+  c.fault_duplicated = fault_duplicated_;
+  c.fault_reordered = fault_reordered_;
+  c.send_errors = send_errors_;
+  return c;
+}
+
+}  // namespace
+
+Result<std::shared_ptr<Context>> open_soft(const ContextOptions& options) {
+  auto context = std::make_shared<SoftContext>(options);
+  if (Status s = context->start(); !s.ok()) return s;
+  return std::shared_ptr<Context>(context);
+}
+
+}  // namespace stellar::provider

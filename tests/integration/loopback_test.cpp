@@ -1,0 +1,501 @@
+// Real processes over loopback UDP through the public API and the connection
+// manager: every opcode, both modes, with fault injection on; dead peers;
+// tenants; API misuse.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <thread>
+
+#include "stellar/stellar.hpp"
+
+using namespace stellar;
+using namespace std::chrono_literals;
+
+namespace {
+
+struct Exposed {
+  uint64_t addr;
+  uint32_t rkey;
+};
+
+constexpr uint32_t done_imm = 0xd0e;
+constexpr size_t region_bytes = 2 << 20;
+
+std::vector<uint8_t> pattern(size_t n, uint32_t seed) {
+  std::vector<uint8_t> v(n);
+  std::mt19937 r(seed);
+  for (auto& x : v) x = uint8_t(r());
+  return v;
+}
+
+ContextOptions options_for(Mode mode, bool faults) {
+  ContextOptions o;
+  o.mode = mode;
+  if (faults) o.faults = FaultOptions{0.02, 0.02, 0.02, 0};
+  return o;
+}
+
+// Polls until `count` completions arrived (or the deadline); returns them.
+std::vector<WorkCompletion> collect(CompletionQueue& cq, size_t count, std::chrono::seconds limit = 30s) {
+  std::vector<WorkCompletion> all;
+  WorkCompletion wc[16];
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  while (all.size() < count && std::chrono::steady_clock::now() < deadline) {
+    const int n = cq.poll(wc);
+    all.insert(all.end(), wc, wc + n);
+  }
+  return all;
+}
+
+// Server side of the opcode test, in a child process: exposes a region,
+// checks every receive, and stays until the client's "done" message.
+int serve(Mode mode, uint16_t& port_out, int port_pipe) {
+  auto ctx = Context::open(options_for(mode, true));
+  if (!ctx) return 10;
+  auto pd = (*ctx)->allocate_pd();
+  auto cq = (*ctx)->create_cq(4096);
+  std::vector<uint8_t> region(region_bytes, 0);
+  auto mr = (*pd)->register_memory(region.data(), region.size(),
+                                   access_local_write | access_remote_write | access_remote_read | access_remote_atomic);
+  QpInitAttributes qa;
+  qa.send_cq = qa.recv_cq = *cq;
+  auto qp = (*pd)->create_qp(qa);
+  if (!qp) return 11;
+  QpModify init;
+  init.state = QpState::init;
+  if (!(*qp)->modify(init).ok()) return 17;  // receives may be posted from INIT on
+  std::vector<std::vector<uint8_t>> receives(40, std::vector<uint8_t>(70000, 0));
+  std::vector<std::unique_ptr<MemoryRegion>> rmrs;
+  for (size_t i = 0; i < receives.size(); ++i) {
+    rmrs.push_back(std::move((*pd)->register_memory(receives[i].data(), receives[i].size(), access_local_write).value()));
+    Sge s{reinterpret_cast<uint64_t>(receives[i].data()), uint32_t(receives[i].size()), rmrs.back()->lkey()};
+    if (!(*qp)->post_recv(RecvWr{i, {&s, 1}}).ok()) return 12;
+  }
+  auto listener = cm::Listener::listen("127.0.0.1", 0);
+  if (!listener) return 13;
+  port_out = (*listener)->port();
+  if (write(port_pipe, &port_out, sizeof port_out) != sizeof port_out) return 14;
+  auto request = (*listener)->get_request(20s);
+  if (!request) return 15;
+  Exposed e{(*mr)->addr(), (*mr)->rkey()};
+  std::vector<uint8_t> pd_bytes(sizeof e);
+  std::memcpy(pd_bytes.data(), &e, sizeof e);
+  if (!(*request)->accept(**qp, pd_bytes).ok()) return 16;
+  // Receives: SEND i carries pattern(size_i, 100 + i); WRITE_WITH_IMM bumps the imm.
+  const uint32_t send_sizes[] = {0, 1, 4096, 4097, 65536};
+  size_t next = 0;
+  const auto deadline = std::chrono::steady_clock::now() + 60s;
+  WorkCompletion wc[16];
+  bool done = false;
+  while (!done && std::chrono::steady_clock::now() < deadline) {
+    const int n = (*cq)->poll(wc);
+    for (int i = 0; i < n; ++i) {
+      const WorkCompletion& c = wc[i];
+      if (c.status != WcStatus::success) return 20;
+      if (c.opcode == WcOpcode::recv && c.has_imm && c.imm_data == done_imm) {
+        done = true;
+        continue;
+      }
+      if (c.wr_id != next) return 21;  // receives complete in posting order
+      if (next < std::size(send_sizes)) {
+        if (c.opcode != WcOpcode::recv || c.byte_len != send_sizes[next]) return 22;
+        auto expect = pattern(send_sizes[next], uint32_t(100 + next));
+        if (std::memcmp(receives[next].data(), expect.data(), expect.size()) != 0) return 23;
+      } else {
+        if (c.opcode != WcOpcode::recv_rdma_with_imm || c.imm_data != 0x77) return 24;
+      }
+      ++next;
+    }
+  }
+  if (!done || next != std::size(send_sizes) + 1) return 25;
+  // Keep acknowledging a little so the client's last work completes.
+  const auto linger = std::chrono::steady_clock::now() + 300ms;
+  while (std::chrono::steady_clock::now() < linger) (*ctx)->progress();
+  return 0;
+}
+
+class Loopback : public ::testing::TestWithParam<Mode> {};
+
+TEST_P(Loopback, EveryOpcodeAcrossProcessesWithFaults) {
+  const Mode mode = GetParam();
+  int pipefd[2];
+  ASSERT_EQ(pipe(pipefd), 0);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    close(pipefd[0]);
+    uint16_t port = 0;
+    _exit(serve(mode, port, pipefd[1]));
+  }
+  close(pipefd[1]);
+  uint16_t port = 0;
+  if (read(pipefd[0], &port, sizeof port) != ssize_t(sizeof port)) {
+    int status = 0;
+    waitpid(child, &status, 0);
+    FAIL() << "server process exited early with code " << WEXITSTATUS(status);
+  }
+  close(pipefd[0]);
+
+  auto ctx = Context::open(options_for(mode, true));
+  ASSERT_TRUE(ctx) << ctx.status().to_string();
+  auto pd = (*ctx)->allocate_pd();
+  auto cq = (*ctx)->create_cq(4096);
+  QpInitAttributes qa;
+  qa.send_cq = qa.recv_cq = *cq;
+  auto qp = (*pd)->create_qp(qa);
+  ASSERT_TRUE(qp);
+  auto connected = cm::connect("127.0.0.1", port, **qp);
+  ASSERT_TRUE(connected) << connected.status().to_string();
+  ASSERT_EQ(connected->private_data.size(), sizeof(Exposed));
+  Exposed remote;
+  std::memcpy(&remote, connected->private_data.data(), sizeof remote);
+
+  std::vector<uint8_t> local(region_bytes, 0);
+  auto mr = (*pd)->register_memory(local.data(), local.size(), access_local_write);
+  ASSERT_TRUE(mr);
+  const uint32_t lkey = (*mr)->lkey();
+  uint64_t id = 0;
+  size_t expected_completions = 0;
+  auto post = [&](SendWr wr) {
+    wr.wr_id = ++id;
+    Status s = (*qp)->post_send(wr);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    ++expected_completions;
+  };
+
+  // 1. RDMA WRITE of several sizes into the server's region, then READ back.
+  const uint32_t sizes[] = {1, 8, 4096, 4099, 100000, 1 << 20};
+  uint64_t offset = 0;
+  std::vector<std::pair<uint64_t, uint32_t>> placed;
+  for (uint32_t n : sizes) {
+    auto data = pattern(n, n);
+    std::memcpy(local.data() + offset, data.data(), n);
+    Sge s{reinterpret_cast<uint64_t>(local.data() + offset), n, lkey};
+    SendWr wr;
+    wr.opcode = WrOpcode::rdma_write;
+    wr.sg_list = {&s, 1};
+    wr.remote_addr = remote.addr + offset;
+    wr.rkey = remote.rkey;
+    post(wr);
+    placed.emplace_back(offset, n);
+    offset += n + 512;
+  }
+  auto written = collect(**cq, expected_completions);
+  ASSERT_EQ(written.size(), expected_completions);
+  for (auto& c : written) EXPECT_EQ(c.status, WcStatus::success) << to_string(c.status);
+  // READ everything back into a clean area.
+  const uint64_t back = region_bytes / 2;
+  std::memset(local.data() + back, 0, region_bytes / 2);
+  expected_completions = 0;
+  uint64_t read_offset = 0;
+  for (auto [at, n] : placed) {
+    if (read_offset + n > region_bytes / 2) break;
+    Sge s{reinterpret_cast<uint64_t>(local.data() + back + read_offset), n, lkey};
+    SendWr wr;
+    wr.opcode = WrOpcode::rdma_read;
+    wr.sg_list = {&s, 1};
+    wr.remote_addr = remote.addr + at;
+    wr.rkey = remote.rkey;
+    post(wr);
+    read_offset += n;
+  }
+  auto reads = collect(**cq, expected_completions);
+  ASSERT_EQ(reads.size(), expected_completions);
+  read_offset = 0;
+  for (auto [at, n] : placed) {
+    if (read_offset + n > region_bytes / 2) break;
+    auto data = pattern(n, n);
+    EXPECT_EQ(0, std::memcmp(local.data() + back + read_offset, data.data(), n)) << "READ of " << n << " bytes";
+    read_offset += n;
+  }
+  for (auto& c : reads) {
+    EXPECT_EQ(c.status, WcStatus::success);
+    EXPECT_EQ(c.opcode, WcOpcode::rdma_read);
+  }
+
+  // 2. Atomics on an 8-byte word of the server's region.
+  expected_completions = 0;
+  const uint64_t word = (region_bytes - 64) & ~uint64_t(7);
+  uint64_t* results = reinterpret_cast<uint64_t*>(local.data() + word - 4096);
+  for (int i = 0; i < 10; ++i) {
+    Sge s{reinterpret_cast<uint64_t>(&results[i]), 8, lkey};
+    SendWr wr;
+    wr.opcode = WrOpcode::atomic_fetch_add;
+    wr.sg_list = {&s, 1};
+    wr.remote_addr = remote.addr + word;
+    wr.rkey = remote.rkey;
+    wr.compare_add = 5;
+    post(wr);
+  }
+  Sge cs{reinterpret_cast<uint64_t>(&results[10]), 8, lkey};
+  SendWr cas;
+  cas.opcode = WrOpcode::atomic_cmp_swap;
+  cas.sg_list = {&cs, 1};
+  cas.remote_addr = remote.addr + word;
+  cas.rkey = remote.rkey;
+  cas.compare_add = 50;
+  cas.swap = 1234;
+  post(cas);
+  auto atomics = collect(**cq, expected_completions);
+  ASSERT_EQ(atomics.size(), expected_completions);
+  for (int i = 0; i < 10; ++i) EXPECT_EQ(results[i], uint64_t(5 * i)) << "fetch_add " << i;
+  EXPECT_EQ(results[10], 50u);
+  for (auto& c : atomics) EXPECT_EQ(c.status, WcStatus::success);
+
+  // 3. SENDs (the server checks contents), a WRITE_WITH_IMM, then "done".
+  expected_completions = 0;
+  const uint32_t send_sizes[] = {0, 1, 4096, 4097, 65536};
+  std::vector<std::vector<uint8_t>> payloads;
+  for (size_t i = 0; i < std::size(send_sizes); ++i) payloads.push_back(pattern(send_sizes[i], uint32_t(100 + i)));
+  for (size_t i = 0; i < std::size(send_sizes); ++i) {
+    std::memcpy(local.data() + 8 * i * 8192, payloads[i].data(), payloads[i].size());
+    Sge s{reinterpret_cast<uint64_t>(local.data() + 8 * i * 8192), send_sizes[i], lkey};
+    SendWr wr;
+    wr.opcode = WrOpcode::send;
+    wr.sg_list = {&s, 1};
+    post(wr);
+  }
+  Sge ws{reinterpret_cast<uint64_t>(local.data()), 3000, lkey};
+  SendWr wimm;
+  wimm.opcode = WrOpcode::rdma_write_with_imm;
+  wimm.sg_list = {&ws, 1};
+  wimm.remote_addr = remote.addr + region_bytes / 2;
+  wimm.rkey = remote.rkey;
+  wimm.imm_data = 0x77;
+  post(wimm);
+  SendWr done;
+  done.opcode = WrOpcode::send_with_imm;
+  done.imm_data = done_imm;
+  post(done);
+  auto sends = collect(**cq, expected_completions);
+  ASSERT_EQ(sends.size(), expected_completions);
+  for (auto& c : sends) EXPECT_EQ(c.status, WcStatus::success) << to_string(c.status);
+
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "server-side check failed (see serve() for the code)";
+  const ContextCounters counters = (*ctx)->counters();
+  EXPECT_GT(counters.fault_dropped, 0u) << "fault injection was on";
+  EXPECT_GT(counters.retransmitted_packets, 0u);
+}
+
+// Two contexts in one process; an acceptor thread answers one request.
+struct Connection {
+  std::shared_ptr<Context> a, b;
+  std::shared_ptr<ProtectionDomain> pd_a, pd_b;
+  std::shared_ptr<CompletionQueue> cq_a, cq_b;
+  std::shared_ptr<QueuePair> qp_a, qp_b;
+  Status accept_status, connect_status;
+
+  Connection(Mode mode, const std::string& tenant_a = "", const std::string& tenant_b = "", QpTiming timing = {}) {
+    a = Context::open(options_for(mode, false)).value();
+    b = Context::open(options_for(mode, false)).value();
+    if (!tenant_a.empty()) (void)a->create_tenant(tenant_a, TenantOptions{0x8123});
+    if (!tenant_b.empty()) (void)b->create_tenant(tenant_b, TenantOptions{tenant_b == tenant_a ? uint16_t(0x8123) : uint16_t(0x8456)});
+    pd_a = a->allocate_pd(tenant_a).value();
+    pd_b = b->allocate_pd(tenant_b).value();
+    cq_a = a->create_cq(256).value();
+    cq_b = b->create_cq(256).value();
+    QpInitAttributes qa;
+    qa.send_cq = qa.recv_cq = cq_a;
+    qp_a = pd_a->create_qp(qa).value();
+    qa.send_cq = qa.recv_cq = cq_b;
+    qp_b = pd_b->create_qp(qa).value();
+    auto listener = cm::Listener::listen("127.0.0.1", 0).value();
+    std::thread acceptor([&] {
+      auto request = listener->get_request(10s);
+      if (!request) {
+        accept_status = request.status();
+        return;
+      }
+      accept_status = (*request)->accept(*qp_b, {}, timing);
+    });
+    cm::ConnectOptions co;
+    co.timing = timing;
+    co.timeout = 5s;
+    auto c = cm::connect("127.0.0.1", listener->port(), *qp_a, co);
+    connect_status = c.status();
+    acceptor.join();
+  }
+  // Drives both sides until `n` completions on cq_a.
+  std::vector<WorkCompletion> run(size_t n, std::chrono::seconds limit = 10s) {
+    std::vector<WorkCompletion> all;
+    WorkCompletion wc[8];
+    const auto deadline = std::chrono::steady_clock::now() + limit;
+    while (all.size() < n && std::chrono::steady_clock::now() < deadline) {
+      b->progress();
+      const int k = cq_a->poll(wc);
+      all.insert(all.end(), wc, wc + k);
+    }
+    return all;
+  }
+};
+
+TEST_P(Loopback, ForgedAndForeignKeysFailWithoutWriting) {
+  Connection c(GetParam());
+  ASSERT_TRUE(c.connect_status.ok()) << c.connect_status.to_string();
+  std::vector<uint8_t> target(4096, 0x11), source(4096, 0x22);
+  auto tmr = c.pd_b->register_memory(target.data(), target.size(), access_local_write | access_remote_write).value();
+  // A region of another PD in the same context must not be reachable through this QP.
+  auto other_pd = c.b->allocate_pd().value();
+  std::vector<uint8_t> other(4096, 0x33);
+  auto omr = other_pd->register_memory(other.data(), other.size(), access_local_write | access_remote_write).value();
+  auto smr = c.pd_a->register_memory(source.data(), source.size(), access_local_write).value();
+  Sge s{reinterpret_cast<uint64_t>(source.data()), 4096, smr->lkey()};
+  SendWr wr;
+  wr.opcode = WrOpcode::rdma_write;
+  wr.sg_list = {&s, 1};
+  wr.remote_addr = omr->addr();
+  wr.rkey = omr->rkey();
+  ASSERT_TRUE(c.qp_a->post_send(wr).ok());
+  auto wc = c.run(1);
+  ASSERT_EQ(wc.size(), 1u);
+  EXPECT_EQ(wc[0].status, WcStatus::remote_access_error);
+  EXPECT_EQ(c.qp_a->state(), QpState::error);
+  for (uint8_t v : other) ASSERT_EQ(v, 0x33);
+  for (uint8_t v : target) ASSERT_EQ(v, 0x11);
+  EXPECT_GE(c.b->counters().rx_access_errors, 1u);
+  // Posting to a QP in ERROR completes at once with a flush.
+  wr.rkey = tmr->rkey();
+  ASSERT_TRUE(c.qp_a->post_send(wr).ok());
+  auto flushed = c.run(1);
+  ASSERT_EQ(flushed.size(), 1u);
+  EXPECT_EQ(flushed[0].status, WcStatus::work_request_flushed);
+}
+
+TEST_P(Loopback, DeadPeerCompletesWithRetryExceeded) {
+  QpTiming timing;
+  timing.rto_min = 1ms;
+  timing.rto_max = 8ms;
+  timing.retry_count = 4;
+  Connection c(GetParam(), "", "", timing);
+  ASSERT_TRUE(c.connect_status.ok()) << c.connect_status.to_string();
+  std::vector<uint8_t> target(64), source(64, 1);
+  auto tmr = c.pd_b->register_memory(target.data(), target.size(), access_local_write | access_remote_write).value();
+  auto smr = c.pd_a->register_memory(source.data(), source.size(), access_local_write).value();
+  const uint64_t remote_addr = tmr->addr();
+  const uint32_t rkey = tmr->rkey();
+  c.qp_b.reset();  // the peer disappears
+  c.b.reset();
+  Sge s{reinterpret_cast<uint64_t>(source.data()), 64, smr->lkey()};
+  SendWr wr;
+  wr.opcode = WrOpcode::rdma_write;
+  wr.sg_list = {&s, 1};
+  wr.remote_addr = remote_addr;
+  wr.rkey = rkey;
+  ASSERT_TRUE(c.qp_a->post_send(wr).ok());
+  WorkCompletion wc[2];
+  auto got = c.cq_a->wait(wc, 10s);  // bounded: fails the test instead of hanging
+  ASSERT_TRUE(got) << got.status().to_string();
+  EXPECT_EQ(wc[0].status, WcStatus::retry_exceeded);
+  EXPECT_GE(c.a->counters().timeouts, 4u);
+}
+
+TEST_P(Loopback, TenantsDoNotSeeEachOther) {
+  // A QP of tenant "blue" cannot be connected to a QP of tenant "green".
+  Connection mixed(GetParam(), "blue", "green");
+  EXPECT_FALSE(mixed.connect_status.ok());
+  EXPECT_FALSE(mixed.accept_status.ok());
+  // Same tenant on both sides connects; the default tenant's keys do not work for it.
+  Connection same(GetParam(), "blue", "blue");
+  ASSERT_TRUE(same.connect_status.ok()) << same.connect_status.to_string();
+  auto default_pd = same.b->allocate_pd().value();
+  std::vector<uint8_t> foreign(64, 0x44), source(64, 0x55);
+  auto fmr = default_pd->register_memory(foreign.data(), foreign.size(), access_local_write | access_remote_write).value();
+  auto smr = same.pd_a->register_memory(source.data(), source.size(), access_local_write).value();
+  Sge s{reinterpret_cast<uint64_t>(source.data()), 64, smr->lkey()};
+  SendWr wr;
+  wr.opcode = WrOpcode::rdma_write;
+  wr.sg_list = {&s, 1};
+  wr.remote_addr = fmr->addr();
+  wr.rkey = fmr->rkey();
+  ASSERT_TRUE(same.qp_a->post_send(wr).ok());
+  auto wc = same.run(1);
+  ASSERT_EQ(wc.size(), 1u);
+  EXPECT_EQ(wc[0].status, WcStatus::remote_access_error);
+  for (uint8_t v : foreign) ASSERT_EQ(v, 0x44);
+}
+
+TEST_P(Loopback, MisuseIsRejectedAndChangesNothing) {
+  auto ctx = Context::open(options_for(GetParam(), false)).value();
+  auto pd = ctx->allocate_pd().value();
+  auto pd2 = ctx->allocate_pd().value();
+  auto cq = ctx->create_cq(16).value();
+  QpInitAttributes qa;
+  qa.send_cq = qa.recv_cq = cq;
+  auto qp = pd->create_qp(qa).value();
+  std::vector<uint8_t> buf(64);
+  auto mr2 = pd2->register_memory(buf.data(), buf.size(), access_local_write).value();
+  auto mr = pd->register_memory(buf.data(), buf.size(), access_local_write).value();
+  Sge s{reinterpret_cast<uint64_t>(buf.data()), 64, mr->lkey()};
+  SendWr wr;
+  wr.sg_list = {&s, 1};
+  // Wrong state: RESET.
+  Status st = qp->post_send(wr);
+  EXPECT_EQ(st.code(), Errc::wrong_state) << st.to_string();
+  EXPECT_EQ(qp->post_recv(RecvWr{1, {&s, 1}}).code(), Errc::wrong_state);
+  // Invalid transition RESET -> RTS.
+  QpModify m;
+  m.state = QpState::rts;
+  EXPECT_EQ(qp->modify(m).code(), Errc::wrong_state);
+  m.state = QpState::init;
+  ASSERT_TRUE(qp->modify(m).ok());
+  // An lkey of another PD.
+  Sge foreign{reinterpret_cast<uint64_t>(buf.data()), 64, mr2->lkey()};
+  EXPECT_EQ(qp->post_recv(RecvWr{2, {&foreign, 1}}).code(), Errc::permission_denied);
+  // Outside the region.
+  Sge outside{reinterpret_cast<uint64_t>(buf.data()) + 32, 64, mr->lkey()};
+  EXPECT_EQ(qp->post_recv(RecvWr{3, {&outside, 1}}).code(), Errc::permission_denied);
+  // Bad arguments.
+  EXPECT_EQ(ctx->create_cq(0).status().code(), Errc::invalid_argument);
+  EXPECT_EQ(ctx->allocate_pd("nobody").status().code(), Errc::not_found);
+  EXPECT_FALSE(pd->register_memory(buf.data(), 64, access_remote_write).ok()) << "remote write needs local write";
+  // Keys are not sequential.
+  std::vector<std::unique_ptr<MemoryRegion>> regions;
+  for (int i = 0; i < 8; ++i) regions.push_back(pd->register_memory(buf.data(), 64, access_local_write).value());
+  int sequential = 0;
+  for (int i = 1; i < 8; ++i) sequential += regions[size_t(i)]->rkey() == regions[size_t(i - 1)]->rkey() + 1;
+  EXPECT_LT(sequential, 2);
+  // Receive queue overflow.
+  QpInitAttributes small = qa;
+  small.cap.max_recv_wr = 2;
+  auto qp2 = pd->create_qp(small).value();
+  ASSERT_TRUE(qp2->modify(m).ok());
+  EXPECT_TRUE(qp2->post_recv(RecvWr{1, {&s, 1}}).ok());
+  EXPECT_TRUE(qp2->post_recv(RecvWr{2, {&s, 1}}).ok());
+  EXPECT_EQ(qp2->post_recv(RecvWr{3, {&s, 1}}).code(), Errc::queue_full);
+}
+
+TEST(Providers, VerbsWithoutDeviceSaysSo) {
+  ContextOptions o;
+  o.provider = Provider::verbs;
+  auto ctx = Context::open(o);
+  ASSERT_FALSE(ctx.ok());
+  // This machine has no RDMA NIC; a machine with one gets "unsupported" until the verbs data path lands.
+  EXPECT_TRUE(ctx.status().code() == Errc::no_device || ctx.status().code() == Errc::unsupported);
+  EXPECT_NE(ctx.status().message().find("soft"), std::string::npos) << ctx.status().message();
+}
+
+TEST(Providers, BadFaultEnvironmentIsAnError) {
+  setenv("STELLAR_FAULT_DROP", "lots", 1);
+  auto ctx = Context::open();
+  unsetenv("STELLAR_FAULT_DROP");
+  ASSERT_FALSE(ctx.ok());
+  EXPECT_EQ(ctx.status().code(), Errc::invalid_argument);
+  setenv("STELLAR_FAULT_DROP", "0.25", 1);
+  auto faults = FaultOptions::from_environment(FaultOptions{});
+  unsetenv("STELLAR_FAULT_DROP");
+  ASSERT_TRUE(faults.ok());
+  EXPECT_DOUBLE_EQ(faults->drop, 0.25);
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, Loopback, ::testing::Values(Mode::stellar, Mode::roce),
+                         [](const auto& info) { return std::string(to_string(info.param)); });
+
+}  // namespace

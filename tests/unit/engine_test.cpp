@@ -1,0 +1,385 @@
+// The engine over a simulated lossy channel and a virtual clock: byte-exact
+// delivery and exact completions for every opcode, both modes, loss up to 10%.
+#include <gtest/gtest.h>
+
+#include <tuple>
+
+#include "engine_harness.hpp"
+
+using namespace stellar::test;
+
+namespace {
+
+struct Case {
+  Mode mode;
+  double loss;
+};
+
+class EngineOverChannel : public ::testing::TestWithParam<std::tuple<Mode, double>> {
+ protected:
+  ChannelFaults faults() const {
+    ChannelFaults f;
+    const double loss = std::get<1>(GetParam());
+    f.drop = loss;
+    f.duplicate = loss / 2;
+    f.reorder = loss;
+    f.corrupt = loss / 4;
+    f.jitter_ns = 1'000;
+    return f;
+  }
+  Mode mode() const { return std::get<0>(GetParam()); }
+};
+
+// Message sizes: empty, tiny, one MTU exactly, odd multi-packet, large.
+const uint32_t sizes[] = {0, 8, 4096, 4097, 3 * 4096 + 123, 256 * 1024 + 5};
+
+TEST_P(EngineOverChannel, WritesLandByteExact) {
+  Pair p(mode(), faults(), 11);
+  std::vector<uint8_t> target(2 << 20, 0);
+  const uint32_t rkey = p.memory_b.add(target.data(), target.size(), access_remote_write);
+  uint64_t at = 0;
+  std::vector<std::pair<uint64_t, std::vector<uint8_t>>> expected;
+  std::vector<std::vector<uint8_t>> sources;
+  uint64_t id = 0;
+  for (uint32_t n : sizes) {
+    sources.push_back(pattern(n, n + 1));
+    SendWork w = make_work(WorkOpcode::rdma_write, ++id, sources.back().data(), n);
+    w.remote_addr = reinterpret_cast<uint64_t>(target.data()) + at;
+    w.rkey = rkey;
+    ASSERT_EQ(p.a->post_send(w, p.now), PostResult::ok);
+    expected.emplace_back(at, sources.back());
+    at += n + 64;
+  }
+  ASSERT_TRUE(p.run([&] { return p.cq_a.sends.size() == std::size(sizes); }));
+  for (size_t i = 0; i < p.cq_a.sends.size(); ++i) {
+    EXPECT_EQ(p.cq_a.sends[i].wr_id, i + 1) << "completions follow posting order";
+    EXPECT_EQ(p.cq_a.sends[i].status, CompletionStatus::success);
+    EXPECT_EQ(p.cq_a.sends[i].opcode, CompletionOpcode::rdma_write);
+  }
+  for (auto& [offset, bytes] : expected)
+    EXPECT_EQ(0, std::memcmp(target.data() + offset, bytes.data(), bytes.size())) << "at " << offset;
+  EXPECT_TRUE(p.cq_b.receives.empty());
+  if (std::get<1>(GetParam()) > 0) EXPECT_GT(p.a->counters().retransmitted_packets, 0u) << "the channel really lost packets";
+  if (std::get<1>(GetParam()) >= 0.05)
+    EXPECT_GT(p.b->counters().decode_errors + p.a->counters().decode_errors, 0u) << "corrupt ones were caught";
+}
+
+TEST_P(EngineOverChannel, SendsAndImmediatesMatchReceives) {
+  Pair p(mode(), faults(), 12);
+  std::vector<std::vector<uint8_t>> rbufs, sbufs;
+  std::vector<uint8_t> target(1 << 20, 0);
+  const uint32_t rkey = p.memory_b.add(target.data(), target.size(), access_remote_write);
+  uint64_t id = 0;
+  for (uint32_t n : sizes) {
+    rbufs.emplace_back(n + 10, 0xee);
+    ReceiveWork r;
+    r.wr_id = 1000 + id;
+    r.segment_count = 2;  // split receive buffer: scatter across segments
+    r.segments[0] = Segment{rbufs.back().data(), uint32_t((n + 10) / 3)};
+    r.segments[1] = Segment{rbufs.back().data() + (n + 10) / 3, uint32_t(n + 10 - (n + 10) / 3)};
+    ASSERT_EQ(p.b->post_receive(r), PostResult::ok);
+    sbufs.push_back(pattern(n, n + 7));
+    const bool imm = id % 2;
+    SendWork w = make_work(imm ? WorkOpcode::send_with_imm : WorkOpcode::send, ++id, sbufs.back().data(), n);
+    w.imm = 0xabc00000u + uint32_t(id);
+    ASSERT_EQ(p.a->post_send(w, p.now), PostResult::ok);
+  }
+  // One RDMA WRITE with immediate consumes a receive too.
+  rbufs.emplace_back(1, 0);
+  ReceiveWork r;
+  r.wr_id = 5000;
+  ASSERT_EQ(p.b->post_receive(r), PostResult::ok);
+  auto payload = pattern(10000, 99);
+  SendWork w = make_work(WorkOpcode::rdma_write_with_imm, ++id, payload.data(), uint32_t(payload.size()));
+  w.remote_addr = reinterpret_cast<uint64_t>(target.data()) + 100;
+  w.rkey = rkey;
+  w.imm = 0x5eed;
+  ASSERT_EQ(p.a->post_send(w, p.now), PostResult::ok);
+
+  const size_t total = std::size(sizes) + 1;
+  ASSERT_TRUE(p.run([&] { return p.cq_a.sends.size() == total && p.cq_b.receives.size() == total; }));
+  for (size_t i = 0; i < std::size(sizes); ++i) {
+    const Completion& c = p.cq_b.receives[i];
+    EXPECT_EQ(c.wr_id, 1000 + i);
+    EXPECT_EQ(c.status, CompletionStatus::success);
+    EXPECT_EQ(c.opcode, CompletionOpcode::receive);
+    EXPECT_EQ(c.byte_length, sizes[i]);
+    EXPECT_EQ(c.has_imm, i % 2 == 1);
+    if (c.has_imm) { EXPECT_EQ(c.imm, 0xabc00000u + i + 1); }
+    EXPECT_EQ(0, std::memcmp(rbufs[i].data(), sbufs[i].data(), sizes[i]));
+    EXPECT_EQ(rbufs[i][sizes[i]], 0xee) << "nothing written past the message";
+    EXPECT_EQ(p.cq_a.sends[i].wr_id, i + 1);
+    EXPECT_EQ(p.cq_a.sends[i].status, CompletionStatus::success);
+  }
+  const Completion& c = p.cq_b.receives.back();
+  EXPECT_EQ(c.opcode, CompletionOpcode::receive_rdma_with_imm);
+  EXPECT_EQ(c.imm, 0x5eedu);
+  EXPECT_EQ(c.byte_length, payload.size());
+  EXPECT_EQ(0, std::memcmp(target.data() + 100, payload.data(), payload.size()));
+}
+
+TEST_P(EngineOverChannel, ReadsReturnByteExact) {
+  Pair p(mode(), faults(), 13);
+  auto remote = pattern(1 << 20, 5);
+  const uint32_t rkey = p.memory_b.add(remote.data(), remote.size(), access_remote_read);
+  std::vector<std::vector<uint8_t>> locals;
+  uint64_t id = 0;
+  for (uint32_t n : sizes) {
+    locals.emplace_back(n + 1, 0xcc);
+    SendWork w = make_work(WorkOpcode::rdma_read, ++id, locals.back().data(), n);
+    w.remote_addr = reinterpret_cast<uint64_t>(remote.data()) + 1000 * id;
+    w.rkey = rkey;
+    ASSERT_EQ(p.a->post_send(w, p.now), PostResult::ok);
+  }
+  ASSERT_TRUE(p.run([&] { return p.cq_a.sends.size() == std::size(sizes); }));
+  for (size_t i = 0; i < std::size(sizes); ++i) {
+    EXPECT_EQ(p.cq_a.sends[i].wr_id, i + 1);
+    EXPECT_EQ(p.cq_a.sends[i].status, CompletionStatus::success);
+    EXPECT_EQ(p.cq_a.sends[i].opcode, CompletionOpcode::rdma_read);
+    EXPECT_EQ(0, std::memcmp(locals[i].data(), remote.data() + 1000 * (i + 1), sizes[i]));
+    EXPECT_EQ(locals[i][sizes[i]], 0xcc);
+  }
+}
+
+TEST_P(EngineOverChannel, AtomicsExecuteExactlyOnce) {
+  Pair p(mode(), faults(), 14);
+  alignas(8) uint64_t counter[2] = {100, 7};
+  const uint32_t rkey = p.memory_b.add(counter, sizeof counter, access_remote_atomic);
+  constexpr int adds = 40;
+  std::vector<uint64_t> results(adds + 2);
+  for (int i = 0; i < adds; ++i) {
+    SendWork w = make_work(WorkOpcode::atomic_fetch_add, uint64_t(i + 1), &results[size_t(i)], 8);
+    w.remote_addr = reinterpret_cast<uint64_t>(&counter[0]);
+    w.rkey = rkey;
+    w.compare_add = 3;
+    ASSERT_EQ(p.a->post_send(w, p.now), PostResult::ok);
+  }
+  SendWork cas = make_work(WorkOpcode::atomic_compare_swap, 100, &results[adds], 8);
+  cas.remote_addr = reinterpret_cast<uint64_t>(&counter[1]);
+  cas.rkey = rkey;
+  cas.compare_add = 7;
+  cas.swap = 99;
+  ASSERT_EQ(p.a->post_send(cas, p.now), PostResult::ok);
+  SendWork cas_miss = cas;
+  cas_miss.wr_id = 101;
+  cas_miss.segments[0].address = reinterpret_cast<uint8_t*>(&results[adds + 1]);
+  cas_miss.compare_add = 7;  // no longer matches (it is 99 now)
+  cas_miss.swap = 1;
+  ASSERT_EQ(p.a->post_send(cas_miss, p.now), PostResult::ok);
+  ASSERT_TRUE(p.run([&] { return p.cq_a.sends.size() == adds + 2; }));
+  EXPECT_EQ(counter[0], 100u + 3u * adds) << "each fetch-add applied once despite duplicates";
+  for (int i = 0; i < adds; ++i) {
+    EXPECT_EQ(p.cq_a.sends[size_t(i)].status, CompletionStatus::success);
+    EXPECT_EQ(results[size_t(i)], 100u + 3u * uint64_t(i));
+  }
+  EXPECT_EQ(results[adds], 7u);
+  EXPECT_EQ(results[adds + 1], 99u);
+  EXPECT_EQ(counter[1], 99u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, EngineOverChannel,
+                         ::testing::Combine(::testing::Values(Mode::stellar, Mode::roce),
+                                            ::testing::Values(0.0, 0.01, 0.05, 0.10)),
+                         [](const auto& info) {
+                           return std::string(to_string(std::get<0>(info.param))) + "_loss" +
+                                  std::to_string(int(std::get<1>(info.param) * 100));
+                         });
+
+class EngineModes : public ::testing::TestWithParam<Mode> {};
+
+TEST_P(EngineModes, ForgedRkeyFailsAndWritesNothing) {
+  Pair p(GetParam(), {}, 21);
+  std::vector<uint8_t> target(8192, 0x5a), readonly(4096, 0x33);
+  const uint32_t rkey = p.memory_b.add(target.data(), target.size(), access_remote_write);
+  const uint32_t ro_key = p.memory_b.add(readonly.data(), readonly.size(), access_remote_read);
+  auto src = pattern(6000, 1);
+  SendWork w = make_work(WorkOpcode::rdma_write, 1, src.data(), 6000);
+  w.remote_addr = reinterpret_cast<uint64_t>(target.data());
+  w.rkey = rkey ^ 0x100;  // forged
+  ASSERT_EQ(p.a->post_send(w, p.now), PostResult::ok);
+  SendWork after = make_work(WorkOpcode::rdma_write, 2, src.data(), 10);
+  after.remote_addr = w.remote_addr;
+  after.rkey = rkey;
+  ASSERT_EQ(p.a->post_send(after, p.now), PostResult::ok);
+  ASSERT_TRUE(p.run([&] { return p.cq_a.sends.size() == 2; }));
+  EXPECT_EQ(p.cq_a.sends[0].status, CompletionStatus::remote_access_error);
+  EXPECT_EQ(p.cq_a.sends[1].status, CompletionStatus::work_request_flushed);
+  EXPECT_TRUE(p.a->in_error());
+  for (uint8_t b : target) ASSERT_EQ(b, 0x5a);
+  EXPECT_GE(p.b->counters().access_errors, 1u);
+
+  // Out of bounds and wrong access rights fail the same way on a fresh pair.
+  Pair q(GetParam(), {}, 22);
+  const uint32_t key2 = q.memory_b.add(target.data(), 4096, access_remote_write);
+  const uint32_t ro2 = q.memory_b.add(readonly.data(), readonly.size(), access_remote_read);
+  (void)ro_key;
+  SendWork oob = make_work(WorkOpcode::rdma_write, 3, src.data(), 100);
+  oob.remote_addr = reinterpret_cast<uint64_t>(target.data()) + 4000;  // crosses the region's end
+  oob.rkey = key2;
+  ASSERT_EQ(q.a->post_send(oob, q.now), PostResult::ok);
+  ASSERT_TRUE(q.run([&] { return q.cq_a.sends.size() == 1; }));
+  EXPECT_EQ(q.cq_a.sends[0].status, CompletionStatus::remote_access_error);
+  Pair r(GetParam(), {}, 23);
+  const uint32_t ro3 = r.memory_b.add(readonly.data(), readonly.size(), access_remote_read);
+  (void)ro2;
+  SendWork wrong = make_work(WorkOpcode::rdma_write, 4, src.data(), 100);
+  wrong.remote_addr = reinterpret_cast<uint64_t>(readonly.data());
+  wrong.rkey = ro3;
+  ASSERT_EQ(r.a->post_send(wrong, r.now), PostResult::ok);
+  ASSERT_TRUE(r.run([&] { return r.cq_a.sends.size() == 1; }));
+  EXPECT_EQ(r.cq_a.sends[0].status, CompletionStatus::remote_access_error);
+  for (size_t i = 0; i < 4096; ++i) ASSERT_EQ(readonly[i], 0x33);
+  for (uint8_t b : target) ASSERT_EQ(b, 0x5a);
+}
+
+TEST_P(EngineModes, DeadPeerBecomesRetryExceededInBoundedTime) {
+  EngineConfig config;
+  config.rto_min_ns = config.rto_initial_ns = 1'000'000;
+  config.rto_max_ns = 8'000'000;
+  config.retry_count = 5;
+  Pair p(GetParam(), {}, 31, config);
+  std::vector<uint8_t> target(4096);
+  const uint32_t rkey = p.memory_b.add(target.data(), target.size(), access_remote_write);
+  p.b_alive = false;
+  auto src = pattern(100, 3);
+  for (uint64_t i = 1; i <= 3; ++i) {
+    SendWork w = make_work(WorkOpcode::rdma_write, i, src.data(), 100);
+    w.remote_addr = reinterpret_cast<uint64_t>(target.data());
+    w.rkey = rkey;
+    ASSERT_EQ(p.a->post_send(w, p.now), PostResult::ok);
+  }
+  const uint64_t start = p.now;
+  ASSERT_TRUE(p.run([&] { return p.cq_a.sends.size() == 3; }, 1'000'000'000));
+  EXPECT_EQ(p.cq_a.sends[0].status, CompletionStatus::retry_exceeded);
+  EXPECT_EQ(p.cq_a.sends[1].status, CompletionStatus::work_request_flushed);
+  EXPECT_EQ(p.cq_a.sends[2].status, CompletionStatus::work_request_flushed);
+  // 1 + 2 + 4 + 8 + 8 + 8 ms of timers, plus scheduling slack.
+  EXPECT_LE(p.now - start, 40'000'000u);
+  EXPECT_EQ(p.a->counters().timeouts, 6u);
+}
+
+TEST_P(EngineModes, ReceiverNotReadyRecoversOncePosted) {
+  Pair p(GetParam(), {}, 41);
+  auto src = pattern(9000, 4);
+  SendWork w = make_work(WorkOpcode::send, 1, src.data(), 9000);
+  ASSERT_EQ(p.a->post_send(w, p.now), PostResult::ok);
+  p.run([&] { return false; }, 2'000'000);
+  EXPECT_TRUE(p.cq_a.sends.empty());
+  EXPECT_GE(p.b->counters().rnr_naks_sent, 1u);
+  std::vector<uint8_t> rbuf(9000);
+  ReceiveWork r;
+  r.wr_id = 9;
+  r.segment_count = 1;
+  r.segments[0] = Segment{rbuf.data(), 9000};
+  ASSERT_EQ(p.b->post_receive(r), PostResult::ok);
+  ASSERT_TRUE(p.run([&] { return p.cq_a.sends.size() == 1 && p.cq_b.receives.size() == 1; }));
+  EXPECT_EQ(p.cq_a.sends[0].status, CompletionStatus::success);
+  EXPECT_EQ(rbuf, src);
+}
+
+TEST_P(EngineModes, ErrorStateFlushesEverythingPosted) {
+  Pair p(GetParam(), {}, 51);
+  std::vector<uint8_t> buf(64);
+  for (uint64_t i = 0; i < 3; ++i) {
+    ReceiveWork r;
+    r.wr_id = 100 + i;
+    ASSERT_EQ(p.b->post_receive(r), PostResult::ok);
+  }
+  p.b->enter_error();
+  ASSERT_EQ(p.cq_b.receives.size(), 3u);
+  for (auto& c : p.cq_b.receives) EXPECT_EQ(c.status, CompletionStatus::work_request_flushed);
+  // Posting to a QP in error completes at once with a flush, as verbs does.
+  ReceiveWork r;
+  r.wr_id = 200;
+  EXPECT_EQ(p.b->post_receive(r), PostResult::ok);
+  EXPECT_EQ(p.cq_b.receives.back().wr_id, 200u);
+  EXPECT_EQ(p.cq_b.receives.back().status, CompletionStatus::work_request_flushed);
+}
+
+TEST_P(EngineModes, ReceiveTooSmallIsAnError) {
+  Pair p(GetParam(), {}, 61);
+  std::vector<uint8_t> small(100, 0);
+  ReceiveWork r;
+  r.wr_id = 1;
+  r.segment_count = 1;
+  r.segments[0] = Segment{small.data(), 100};
+  ASSERT_EQ(p.b->post_receive(r), PostResult::ok);
+  auto src = pattern(5000, 2);
+  ASSERT_EQ(p.a->post_send(make_work(WorkOpcode::send, 7, src.data(), 5000), p.now), PostResult::ok);
+  ASSERT_TRUE(p.run([&] { return p.cq_a.sends.size() == 1 && p.cq_b.receives.size() == 1; }));
+  EXPECT_EQ(p.cq_b.receives[0].status, CompletionStatus::local_length_error);
+  EXPECT_EQ(p.cq_a.sends[0].status, CompletionStatus::remote_invalid_request);
+}
+
+TEST_P(EngineModes, PostingMisuseIsRejectedAndChangesNothing) {
+  Pair p(GetParam(), {}, 71);
+  uint64_t word = 0;
+  SendWork bad_atomic = make_work(WorkOpcode::atomic_fetch_add, 1, &word, 4);  // atomics are 8 bytes
+  EXPECT_EQ(p.a->post_send(bad_atomic, p.now), PostResult::invalid_argument);
+  SendWork too_many = make_work(WorkOpcode::send, 2, &word, 8);
+  too_many.segment_count = max_segments + 1;
+  EXPECT_EQ(p.a->post_send(too_many, p.now), PostResult::invalid_argument);
+  std::vector<uint8_t> big(max_inline_bytes + 1);
+  SendWork inline_big = make_work(WorkOpcode::send, 3, big.data(), uint32_t(big.size()));
+  inline_big.inline_data = true;
+  EXPECT_EQ(p.a->post_send(inline_big, p.now), PostResult::invalid_argument);
+  for (uint32_t i = 0; i < p.a->config().max_send_wr; ++i)
+    ASSERT_EQ(p.a->post_send(make_work(WorkOpcode::rdma_write, 10 + i, &word, 8), p.now), PostResult::ok);
+  EXPECT_EQ(p.a->post_send(make_work(WorkOpcode::rdma_write, 99, &word, 8), p.now), PostResult::queue_full);
+  EXPECT_EQ(p.a->outstanding_sends(), p.a->config().max_send_wr);
+  EXPECT_TRUE(p.cq_a.sends.empty());
+}
+
+TEST_P(EngineModes, InlineDataIsCopiedAtPost) {
+  Pair p(GetParam(), {}, 81);
+  std::vector<uint8_t> target(64, 0);
+  const uint32_t rkey = p.memory_b.add(target.data(), target.size(), access_remote_write);
+  std::vector<uint8_t> src = pattern(32, 8), copy = src;
+  SendWork w = make_work(WorkOpcode::rdma_write, 1, src.data(), 32);
+  w.inline_data = true;
+  w.remote_addr = reinterpret_cast<uint64_t>(target.data());
+  w.rkey = rkey;
+  ASSERT_EQ(p.a->post_send(w, p.now), PostResult::ok);
+  std::fill(src.begin(), src.end(), 0);  // the caller may reuse the buffer at once
+  ASSERT_TRUE(p.run([&] { return p.cq_a.sends.size() == 1; }));
+  EXPECT_EQ(0, std::memcmp(target.data(), copy.data(), 32));
+}
+
+TEST_P(EngineModes, UnsignaledSendsCompleteSilently) {
+  Pair p(GetParam(), {}, 91);
+  std::vector<uint8_t> target(64, 0);
+  const uint32_t rkey = p.memory_b.add(target.data(), target.size(), access_remote_write);
+  uint64_t v = 1;
+  for (uint64_t i = 1; i <= 4; ++i) {
+    SendWork w = make_work(WorkOpcode::rdma_write, i, &v, 8);
+    w.remote_addr = reinterpret_cast<uint64_t>(target.data());
+    w.rkey = rkey;
+    w.signaled = i == 4;
+    ASSERT_EQ(p.a->post_send(w, p.now), PostResult::ok);
+  }
+  ASSERT_TRUE(p.run([&] { return p.a->outstanding_sends() == 0; }));
+  ASSERT_EQ(p.cq_a.sends.size(), 1u);
+  EXPECT_EQ(p.cq_a.sends[0].wr_id, 4u);
+}
+
+TEST_P(EngineModes, GarbageIsDroppedAndCounted) {
+  Pair p(GetParam(), {}, 101);
+  std::vector<uint8_t> junk(200, 0x41);
+  p.b->receive(junk.data(), 3, IcrcAddresses{}, p.now);
+  p.b->receive(junk.data(), junk.size(), IcrcAddresses{}, p.now);
+  EXPECT_EQ(p.b->counters().decode_errors, 2u);
+  // A well-formed request for another QP or partition never matches.
+  Header h;
+  h.opcode = opcode::write_only;
+  h.dest_qpn = 0x999;
+  p.b->receive_decoded(h, p.now);
+  h.dest_qpn = 0x22;
+  h.pkey = 0x1234;
+  p.b->receive_decoded(h, p.now);
+  EXPECT_EQ(p.b->counters().unexpected_packets, 2u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, EngineModes, ::testing::Values(Mode::stellar, Mode::roce),
+                         [](const auto& info) { return std::string(to_string(info.param)); });
+
+}  // namespace
