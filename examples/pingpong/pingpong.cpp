@@ -129,7 +129,7 @@ int main(int argc, char** argv) {
   wr.sg_list = {&sge, 1};
   wr.remote_addr = remote.addr;
   wr.rkey = remote.rkey;
-  wr.flags = send_signaled | (o.size <= 64 ? send_inline : 0);
+  wr.flags = send_signaled | (o.size <= 64 ? uint32_t(send_inline) : 0u);
   std::vector<WorkCompletion> wc(32);
   uint32_t posted_recvs = std::min<uint32_t>(total, 200), received = 0, pending_sends = 0;
   volatile uint8_t* last = &buffer[o.size - 1];

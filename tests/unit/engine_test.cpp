@@ -57,11 +57,14 @@ TEST_P(EngineOverChannel, WritesLandByteExact) {
     EXPECT_EQ(p.cq_a.sends[i].opcode, CompletionOpcode::rdma_write);
   }
   for (auto& [offset, bytes] : expected)
-    EXPECT_EQ(0, std::memcmp(target.data() + offset, bytes.data(), bytes.size())) << "at " << offset;
+    EXPECT_TRUE(bytes.empty() || std::memcmp(target.data() + offset, bytes.data(), bytes.size()) == 0) << "at " << offset;
   EXPECT_TRUE(p.cq_b.receives.empty());
-  if (std::get<1>(GetParam()) > 0) EXPECT_GT(p.a->counters().retransmitted_packets, 0u) << "the channel really lost packets";
-  if (std::get<1>(GetParam()) >= 0.05)
+  if (std::get<1>(GetParam()) > 0) {
+    EXPECT_GT(p.a->counters().retransmitted_packets, 0u) << "the channel really lost packets";
+  }
+  if (std::get<1>(GetParam()) >= 0.05) {
     EXPECT_GT(p.b->counters().decode_errors + p.a->counters().decode_errors, 0u) << "corrupt ones were caught";
+  }
 }
 
 TEST_P(EngineOverChannel, SendsAndImmediatesMatchReceives) {
@@ -106,7 +109,7 @@ TEST_P(EngineOverChannel, SendsAndImmediatesMatchReceives) {
     EXPECT_EQ(c.byte_length, sizes[i]);
     EXPECT_EQ(c.has_imm, i % 2 == 1);
     if (c.has_imm) { EXPECT_EQ(c.imm, 0xabc00000u + i + 1); }
-    EXPECT_EQ(0, std::memcmp(rbufs[i].data(), sbufs[i].data(), sizes[i]));
+    EXPECT_TRUE(sizes[i] == 0 || std::memcmp(rbufs[i].data(), sbufs[i].data(), sizes[i]) == 0);
     EXPECT_EQ(rbufs[i][sizes[i]], 0xee) << "nothing written past the message";
     EXPECT_EQ(p.cq_a.sends[i].wr_id, i + 1);
     EXPECT_EQ(p.cq_a.sends[i].status, CompletionStatus::success);

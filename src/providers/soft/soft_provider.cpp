@@ -469,7 +469,7 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
     if (w.inline_data && writes_local) return Status(Errc::invalid_argument, "post_send: inline is only for sends and writes");
     if ((wr.opcode == WrOpcode::atomic_fetch_add || wr.opcode == WrOpcode::atomic_cmp_swap) && (total != 8 || wr.remote_addr % 8))
       return Status(Errc::invalid_argument, "post_send: atomics need one 8-byte local buffer and an 8-byte aligned remote address");
-    if (Status s = translate(wr.sg_list, w.segments, w.inline_data, writes_local ? access_local_write : 0); !s.ok()) return s;
+    if (Status s = translate(wr.sg_list, w.segments, w.inline_data, writes_local ? uint32_t(access_local_write) : 0u); !s.ok()) return s;
     w.segment_count = uint32_t(wr.sg_list.size());
     if (!engine_) return Status(Errc::wrong_state, "post_send: QP has no connection");
     switch (engine_->post_send(w, monotonic_ns())) {
