@@ -2,6 +2,7 @@
 // manager: every opcode, both modes, with fault injection on; dead peers;
 // tenants; API misuse.
 #include <gtest/gtest.h>
+#include <poll.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -293,9 +294,13 @@ struct Connection {
   std::shared_ptr<QueuePair> qp_a, qp_b;
   Status accept_status, connect_status;
 
-  Connection(Mode mode, const std::string& tenant_a = "", const std::string& tenant_b = "", QpTiming timing = {}) {
-    a = Context::open(options_for(mode, false)).value();
-    b = Context::open(options_for(mode, false)).value();
+  Connection(Mode mode, const std::string& tenant_a = "", const std::string& tenant_b = "", QpTiming timing = {},
+             ProgressMode progress = ProgressMode::inline_poll) {
+    ContextOptions o = options_for(mode, false);
+    o.progress = progress;
+    o.wait = progress == ProgressMode::thread ? WaitPolicy::adaptive : WaitPolicy::busy_poll;
+    a = Context::open(o).value();
+    b = Context::open(o).value();
     if (!tenant_a.empty()) (void)a->create_tenant(tenant_a, TenantOptions{0x8123});
     if (!tenant_b.empty()) (void)b->create_tenant(tenant_b, TenantOptions{tenant_b == tenant_a ? uint16_t(0x8123) : uint16_t(0x8456)});
     pd_a = a->allocate_pd(tenant_a).value();
@@ -470,6 +475,32 @@ TEST_P(Loopback, MisuseIsRejectedAndChangesNothing) {
   EXPECT_TRUE(qp2->post_recv(RecvWr{1, {&s, 1}}).ok());
   EXPECT_TRUE(qp2->post_recv(RecvWr{2, {&s, 1}}).ok());
   EXPECT_EQ(qp2->post_recv(RecvWr{3, {&s, 1}}).code(), Errc::queue_full);
+}
+
+TEST_P(Loopback, EngineThreadWithAdaptiveWaitMovesData) {
+  Connection c(GetParam(), "", "", {}, ProgressMode::thread);
+  ASSERT_TRUE(c.connect_status.ok()) << c.connect_status.to_string();
+  std::vector<uint8_t> target(300000, 0), source = pattern(300000, 9);
+  auto tmr = c.pd_b->register_memory(target.data(), target.size(), access_local_write | access_remote_write).value();
+  auto smr = c.pd_a->register_memory(source.data(), source.size(), access_local_write).value();
+  Sge s{reinterpret_cast<uint64_t>(source.data()), uint32_t(source.size()), smr->lkey()};
+  SendWr wr;
+  wr.opcode = WrOpcode::rdma_write;
+  wr.sg_list = {&s, 1};
+  wr.remote_addr = tmr->addr();
+  wr.rkey = tmr->rkey();
+  ASSERT_TRUE(c.qp_a->post_send(wr).ok());
+  WorkCompletion wc[2];
+  auto got = c.cq_a->wait(wc, 10s);  // sleeps in the kernel after the spin time
+  ASSERT_TRUE(got) << got.status().to_string();
+  EXPECT_EQ(wc[0].status, WcStatus::success);
+  EXPECT_EQ(target, source);
+  // The CQ's fd becomes readable once notification is requested and a completion is queued.
+  ASSERT_TRUE(c.cq_a->request_notify().ok());
+  ASSERT_TRUE(c.qp_a->post_send(wr).ok());
+  pollfd p{c.cq_a->fd(), POLLIN, 0};
+  EXPECT_EQ(::poll(&p, 1, 10000), 1);
+  EXPECT_EQ(c.cq_a->poll(wc), 1);
 }
 
 TEST(Providers, VerbsWithoutDeviceSaysSo) {
