@@ -45,6 +45,14 @@ static_assert(int(WrOpcode::atomic_cmp_swap) == int(off::WorkOpcode::atomic_comp
 class SoftContext;
 class SoftPd;
 
+// Adds the counters a context reports (a destroyed QP's stay in the total).
+void accumulate(off::EngineCounters& sum, const off::EngineCounters& e) {
+  sum.tx_packets += e.tx_packets, sum.tx_bytes += e.tx_bytes, sum.rx_packets += e.rx_packets, sum.rx_bytes += e.rx_bytes;
+  sum.retransmitted_packets += e.retransmitted_packets, sum.timeouts += e.timeouts, sum.duplicates += e.duplicates;
+  sum.out_of_window += e.out_of_window, sum.access_errors += e.access_errors, sum.decode_errors += e.decode_errors;
+  sum.rnr_naks_sent += e.rnr_naks_sent, sum.unexpected_packets += e.unexpected_packets;
+}
+
 struct MrEntry {
   uint64_t addr = 0, length = 0;
   uint32_t access = 0;
@@ -355,12 +363,7 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
     t.qpns.erase(qpn_);
     if (engine_) {
       c.qps_.erase(uint64_t(pkey_) << 32 | qpn_);
-      const off::EngineCounters& e = engine_->counters();
-      off::EngineCounters& r = c.retired_;
-      r.tx_packets += e.tx_packets, r.tx_bytes += e.tx_bytes, r.rx_packets += e.rx_packets, r.rx_bytes += e.rx_bytes;
-      r.retransmitted_packets += e.retransmitted_packets, r.timeouts += e.timeouts, r.duplicates += e.duplicates;
-      r.out_of_window += e.out_of_window, r.access_errors += e.access_errors, r.decode_errors += e.decode_errors;
-      r.rnr_naks_sent += e.rnr_naks_sent, r.unexpected_packets += e.unexpected_packets;
+      accumulate(c.retired_, engine_->counters());
     }
   }
 
@@ -744,11 +747,7 @@ ContextCounters SoftContext::counters() const {
   std::lock_guard lock(self.mutex_);
   off::EngineCounters sum = retired_;
   for (auto& [key, qp] : qps_) {
-    const off::EngineCounters& e = qp->engine()->counters();
-    sum.tx_packets += e.tx_packets, sum.tx_bytes += e.tx_bytes, sum.rx_packets += e.rx_packets, sum.rx_bytes += e.rx_bytes;
-    sum.retransmitted_packets += e.retransmitted_packets, sum.timeouts += e.timeouts, sum.duplicates += e.duplicates;
-    sum.out_of_window += e.out_of_window, sum.access_errors += e.access_errors, sum.decode_errors += e.decode_errors;
-    sum.rnr_naks_sent += e.rnr_naks_sent, sum.unexpected_packets += e.unexpected_packets;
+    accumulate(sum, qp->engine()->counters());
   }
   ContextCounters c;
   c.tx_packets = sum.tx_packets;
