@@ -50,6 +50,8 @@ int main(int argc, char** argv) {
   app.add_option("--provider", provider)->check(CLI::IsMember({"soft", "verbs"}))->capture_default_str();
   app.add_option("--bind", bind)->capture_default_str();
   app.add_option("--mtu", mtu)->capture_default_str();
+  std::string cc = "automatic";
+  app.add_option("--cc", cc, "Congestion control")->check(CLI::IsMember({"automatic", "none", "dcqcn", "swift"}))->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
   ContextOptions co;
@@ -57,6 +59,8 @@ int main(int argc, char** argv) {
   co.mode = check(parse_mode(mode), "mode");
   co.bind_address = bind;
   co.mtu = mtu;
+  co.congestion_control = cc == "none" ? CongestionControl::none : cc == "dcqcn" ? CongestionControl::dcqcn
+                          : cc == "swift" ? CongestionControl::swift : CongestionControl::automatic;
   auto ctx = check(Context::open(co), "open context");
   auto pd = check(ctx->allocate_pd(), "allocate PD");
   auto cq = check(ctx->create_cq(4096), "create CQ");
@@ -87,6 +91,10 @@ int main(int argc, char** argv) {
     }
     const auto linger = Clock::now() + std::chrono::milliseconds(50);
     while (Clock::now() < linger) ctx->progress();
+    const ContextCounters k = ctx->counters();
+    std::fprintf(stderr, "# server: packets rx %llu in %llu receive calls (%llu coalesced by GRO), send errors %llu\n",
+                 (unsigned long long)k.rx_packets, (unsigned long long)k.rx_receive_calls, (unsigned long long)k.rx_coalesced,
+                 (unsigned long long)k.send_errors);
     return 0;
   }
   cm::ConnectOptions c;
@@ -130,8 +138,9 @@ int main(int argc, char** argv) {
   std::printf(" #bytes     #iterations    BW peak[MiB/sec]    BW average[MiB/sec]   MsgRate[Mpps]\n");
   std::printf(" %-10u %-14u %-19.2f %-21.2f %.6f\n", size, iterations, mib / seconds, mib / seconds, iterations / seconds / 1e6);
   std::printf("---------------------------------------------------------------------------------------\n");
-  std::printf("# %.3f GB/s; packets tx %llu, retransmitted %llu, timeouts %llu, faults dropped %llu\n", double(size) * iterations / seconds / 1e9,
-              (unsigned long long)k.tx_packets, (unsigned long long)k.retransmitted_packets, (unsigned long long)k.timeouts,
-              (unsigned long long)k.fault_dropped);
+  std::printf("# %.3f GB/s; packets tx %llu rx %llu, retransmitted %llu, timeouts %llu, faults dropped %llu, send errors %llu\n",
+              double(size) * iterations / seconds / 1e9, (unsigned long long)k.tx_packets, (unsigned long long)k.rx_packets,
+              (unsigned long long)k.retransmitted_packets, (unsigned long long)k.timeouts, (unsigned long long)k.fault_dropped,
+              (unsigned long long)k.send_errors);
   return 0;
 }

@@ -61,6 +61,10 @@ struct ContextOptions {
   std::chrono::nanoseconds spin_time{50'000};  // adaptive: spin this long before sleeping
   CongestionControl congestion_control = CongestionControl::automatic;
   uint64_t line_rate_bps = 100'000'000'000ull;  // ceiling for rate-based congestion control
+  // Swift: queueing delay tolerated above the base RTT before the window
+  // shrinks. A software transport's delay is mostly host delay (scheduling,
+  // socket queues), which NIC-based Swift budgets at about 100 us too.
+  std::chrono::nanoseconds cc_target_delay{100'000};
   FaultOptions faults{};                       // merged with the environment at open
   std::string device;                          // verbs provider: device name ("" = first)
 };
@@ -235,7 +239,7 @@ struct TenantOptions {
 // Provider-wide counters: everything dropped or retransmitted is counted.
 struct ContextCounters {
   uint64_t tx_packets = 0, tx_bytes = 0, rx_packets = 0, rx_bytes = 0;
-  uint64_t retransmitted_packets = 0, timeouts = 0;
+  uint64_t retransmitted_packets = 0, timeouts = 0, tail_probes = 0;
   uint64_t rx_dropped_malformed = 0;      // truncated, bad checksum, bad opcode/version
   uint64_t rx_dropped_unknown_qp = 0;     // no QP with that number in that tenant
   uint64_t rx_dropped_out_of_window = 0;  // PSN outside the window
@@ -243,7 +247,9 @@ struct ContextCounters {
   uint64_t rx_access_errors = 0;          // forged rkey, bounds, rights
   uint64_t rnr_naks_sent = 0;
   uint64_t fault_dropped = 0, fault_duplicated = 0, fault_reordered = 0;
-  uint64_t send_errors = 0;               // sendmmsg failures (e.g. ENOBUFS)
+  uint64_t send_errors = 0;               // datagrams the kernel refused (e.g. ENOBUFS): lost, retransmitted
+  uint64_t rx_receive_calls = 0;          // recvmmsg calls that returned data
+  uint64_t rx_coalesced = 0;              // datagrams that arrived coalesced by UDP GRO
 };
 
 class Context : public std::enable_shared_from_this<Context> {

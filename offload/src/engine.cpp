@@ -156,6 +156,7 @@ struct QpEngine::State {
   uint32_t lost_head = 0, lost_count = 0;
   uint32_t inflight_packets = 0;
   uint64_t rto_deadline = never;
+  uint64_t probe_deadline = never;
   uint64_t rto = 0;
   uint64_t srtt = 0, rttvar = 0;
   uint32_t consecutive_timeouts = 0;
@@ -386,7 +387,10 @@ struct QpEngine::State {
     detect_losses();
     const uint32_t before = una;
     advance_una();
-    if (una != before || bytes) rto_deadline = (una == max_sent) ? never : now + rto;
+    if (una != before || bytes) {
+      rto_deadline = (una == max_sent) ? never : now + rto;
+      arm_probe(now);
+    }
     complete_sends();
   }
 
@@ -488,15 +492,36 @@ struct QpEngine::State {
     if (config.mode == Mode::roce) {
       rewind(una, now);
     } else {
-      for (uint32_t p = una; diff(p, max_sent) < 0; p = add(p, 1)) {
-        Slot& s = slot(p);
-        if ((s.flags & (slot_sent | slot_done)) == slot_sent && (p == una || now - s.sent_ns >= rto / 2)) {
-          s.flags &= uint8_t(~slot_lost);
-          queue_lost(p);
-        }
-      }
+      // As TCP after an RTO: everything unacknowledged counts as lost, so the
+      // in-flight estimate drops to zero and the (collapsed) window can open.
+      for (uint32_t p = una; diff(p, max_sent) < 0; p = add(p, 1))
+        if ((slot(p).flags & (slot_sent | slot_done)) == slot_sent) queue_lost(p);
     }
     rto_deadline = now + rto;
+    probe_deadline = never;
+  }
+
+  // Tail loss probe (stellar): when nothing was acknowledged for about two
+  // RTTs, retransmit the oldest outstanding packet once. Either it was lost
+  // (recovered an RTO early) or its duplicate draws a fresh SACK that lets
+  // loss detection find what is missing. Not a timeout: the window and the
+  // retry count are left alone.
+  void on_probe(uint64_t now) {
+    probe_deadline = never;
+    (void)now;
+    Slot& s = slot(una);
+    if ((s.flags & (slot_sent | slot_done | slot_lost)) != slot_sent) return;
+    ++counters.tail_probes;
+    queue_lost(una);
+  }
+
+  void arm_probe(uint64_t now) {
+    if (config.mode != Mode::stellar || una == max_sent) {
+      probe_deadline = never;
+      return;
+    }
+    const uint64_t pto = srtt ? std::max<uint64_t>(2 * srtt + config.ack_delay_ns, 20'000) : rto / 4;
+    probe_deadline = pto < rto ? now + pto : never;
   }
 
   void fail_head(CompletionStatus status) {
@@ -708,7 +733,10 @@ struct QpEngine::State {
       s.sent_ns = now;
       ++inflight_packets;
     }
-    if (rto_deadline == never) rto_deadline = now + rto;
+    if (rto_deadline == never) {
+      rto_deadline = now + rto;
+      arm_probe(now);
+    }
   }
 
   size_t transmit_requests(TxBuffer* buffers, size_t count, uint64_t now) {
@@ -1252,6 +1280,7 @@ struct QpEngine::State {
     lost_count = 0;
     reads_count = 0;
     rto_deadline = never;
+    probe_deadline = never;
     ack_due = never;
   }
 };
@@ -1327,6 +1356,7 @@ size_t QpEngine::transmit(TxBuffer* buffers, size_t count, uint64_t now_ns) {
   State& s = *s_;
   s.cc->on_tick(now_ns);
   if (!s.error && s.rto_deadline <= now_ns && s.una != s.max_sent) s.on_timeout(now_ns);
+  if (!s.error && s.probe_deadline <= now_ns && s.una != s.max_sent) s.on_probe(now_ns);
   size_t n = s.transmit_responses(buffers, count);
   if (!s.error) n += s.transmit_requests(buffers + n, count - n, now_ns);
   if (!s.error) n += s.transmit_ack(buffers + n, count - n, now_ns);
@@ -1337,7 +1367,7 @@ uint64_t QpEngine::next_wakeup_ns(uint64_t now_ns) const {
   const State& s = *s_;
   if (s.control_count || s.reads_count) return now_ns;
   if (s.error) return never;
-  uint64_t t = std::min(s.ack_due, s.una != s.max_sent ? s.rto_deadline : never);
+  uint64_t t = std::min(s.ack_due, s.una != s.max_sent ? std::min(s.rto_deadline, s.probe_deadline) : never);
   const bool has_requests = s.lost_count > 0 || (s.send_psn != s.assign_psn && !(s.fatal && s.diff(s.send_psn, s.fatal_psn) >= 0));
   if (has_requests && uint32_t(s.diff(s.send_psn, s.una)) < s.config.window_packets - 64) {
     if (now_ns < s.rnr_until) return std::min(t, s.rnr_until);

@@ -40,17 +40,84 @@ uint32_t crc32c_software(const uint8_t* p, size_t n) {
   return ~c;
 }
 
+// GF(2) arithmetic modulo the (reflected) CRC-32C polynomial, to combine the
+// CRCs of adjacent blocks: crc(A || B) = crc(A) * x^(8|B|) + crc(B). This is
+// what lets three independent hardware CRC streams run in parallel.
+uint32_t multiply_mod(uint32_t a, uint32_t b) {
+  uint32_t m = 1u << 31, p = 0;
+  for (;;) {
+    if (a & m) {
+      p ^= b;
+      if ((a & (m - 1)) == 0) break;
+    }
+    m >>= 1;
+    b = (b & 1) ? (b >> 1) ^ 0x82f63b78u : b >> 1;
+  }
+  return p;
+}
+
+// x^(8n) mod P.
+uint32_t x_pow_8n(size_t n) {
+  static const auto powers = [] {
+    std::array<uint32_t, 64> t{};
+    uint32_t p = 1u << 30;  // x^1
+    for (auto& v : t) {
+      v = p;
+      p = multiply_mod(p, p);
+    }
+    return t;
+  }();
+  uint32_t result = 1u << 31;  // x^0
+  size_t k = 3;                // 8n = n * 2^3
+  for (; n; n >>= 1, ++k)
+    if (n & 1) result = multiply_mod(powers[k & 63], result);
+  return result;
+}
+
+uint32_t crc32c_combine(uint32_t first, uint32_t second, size_t second_length) {
+  // Packets mostly come in one size: remember the last operator.
+  thread_local size_t cached_length = 0;
+  thread_local uint32_t cached_operator = 1u << 31;
+  if (second_length != cached_length) {
+    cached_operator = x_pow_8n(second_length);
+    cached_length = second_length;
+  }
+  return multiply_mod(cached_operator, first) ^ second;
+}
+
 #if defined(__x86_64__)
-__attribute__((target("sse4.2"))) uint32_t crc32c_sse42(const uint8_t* p, size_t n) {
-  uint64_t c = ~0u;
+__attribute__((target("sse4.2"))) uint32_t crc32c_sse42_continue(uint32_t c32, const uint8_t* p, size_t n) {
+  uint64_t c = c32;
   for (; n >= 8; n -= 8, p += 8) {
     uint64_t w;
     std::memcpy(&w, p, 8);
     c = _mm_crc32_u64(c, w);
   }
-  uint32_t c32 = uint32_t(c);
+  c32 = uint32_t(c);
   for (; n > 0; --n, ++p) c32 = _mm_crc32_u8(c32, *p);
-  return ~c32;
+  return c32;
+}
+
+// Three interleaved streams hide the crc32 instruction's latency (one result
+// per cycle instead of one per three); their CRCs are then combined.
+__attribute__((target("sse4.2"))) uint32_t crc32c_sse42(const uint8_t* p, size_t n) {
+  if (n < 768) return ~crc32c_sse42_continue(~0u, p, n);
+  const size_t block = (n / 3) & ~size_t(7);
+  uint64_t a = ~0u, b = ~0u, c = ~0u;
+  const uint8_t* q = p + block;
+  const uint8_t* r = p + 2 * block;
+  for (size_t i = 0; i < block; i += 8) {
+    uint64_t x, y, z;
+    std::memcpy(&x, p + i, 8);
+    std::memcpy(&y, q + i, 8);
+    std::memcpy(&z, r + i, 8);
+    a = _mm_crc32_u64(a, x);
+    b = _mm_crc32_u64(b, y);
+    c = _mm_crc32_u64(c, z);
+  }
+  uint32_t crc = crc32c_combine(~uint32_t(a), ~uint32_t(b), block);
+  crc = crc32c_combine(crc, ~uint32_t(c), block);
+  return ~crc32c_sse42_continue(~crc, p + 3 * block, n - 3 * block);
 }
 #endif
 

@@ -1,6 +1,7 @@
 #include "io/udp_socket.hpp"
 
 #include <arpa/inet.h>
+#include <netinet/udp.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -12,6 +13,15 @@ namespace stellar::io {
 namespace {
 constexpr int max_batch = 64;
 constexpr int socket_buffer_bytes = 16 << 20;
+constexpr size_t control_bytes = CMSG_SPACE(sizeof(uint16_t)) + CMSG_SPACE(sizeof(int));
+constexpr uint32_t gso_max_bytes = 65000;  // UDP payload of one GSO message
+constexpr int gso_max_segments = 64;
+#ifndef UDP_SEGMENT
+#define UDP_SEGMENT 103
+#endif
+#ifndef UDP_GRO
+#define UDP_GRO 104
+#endif
 
 Status system_error(const char* what) { return Status(Errc::io_error, std::string(what) + ": " + std::strerror(errno)); }
 }  // namespace
@@ -55,58 +65,125 @@ Status UdpSocket::open(const std::string& address, uint16_t port) {
     return system_error(("bind " + address + ":" + std::to_string(port)).c_str());
   socklen_t length = sizeof local_;
   getsockname(fd_, reinterpret_cast<sockaddr*>(&local_), &length);
+  const int on = 1;
+  gro_ = setsockopt(fd_, IPPROTO_UDP, UDP_GRO, &on, sizeof on) == 0;
+  // GSO needs no option; probe that the kernel knows UDP_SEGMENT.
+  int segment = 0;
+  socklen_t segment_length = sizeof segment;
+  gso_supported_ = getsockopt(fd_, IPPROTO_UDP, UDP_SEGMENT, &segment, &segment_length) == 0;
   messages_.resize(max_batch);
-  iovecs_.resize(max_batch);
+  iovecs_.resize(size_t(max_batch) * gso_max_segments);
+  controls_.resize(size_t(max_batch) * control_bytes);
+  rx_messages_.resize(max_batch);
+  rx_iovecs_.resize(max_batch);
+  rx_controls_.resize(size_t(max_batch) * control_bytes);
   return {};
 }
 
 int UdpSocket::receive_batch(Datagram* batch, int count) {
   count = std::min(count, max_batch);
-  for (int i = 0; i < count; ++i) {
-    iovecs_[size_t(i)] = {batch[i].data, batch[i].capacity};
-    msghdr& h = messages_[size_t(i)].msg_hdr;
-    h = msghdr{};
-    h.msg_name = &batch[i].peer;
-    h.msg_namelen = sizeof(sockaddr_in);
-    h.msg_iov = &iovecs_[size_t(i)];
-    h.msg_iovlen = 1;
+  // Busy-polling calls this millions of times mostly to find nothing: build
+  // the headers once per batch array, then reset only what the kernel writes.
+  if (prepared_ != batch || prepared_count_ < count) {
+    for (int i = 0; i < count; ++i) {
+      rx_iovecs_[size_t(i)] = {batch[i].data, batch[i].capacity};
+      msghdr& h = rx_messages_[size_t(i)].msg_hdr;
+      h = msghdr{};
+      h.msg_name = &batch[i].peer;
+      h.msg_iov = &rx_iovecs_[size_t(i)];
+      h.msg_iovlen = 1;
+      h.msg_control = gro_ ? &rx_controls_[size_t(i) * control_bytes] : nullptr;
+    }
+    prepared_ = batch;
+    prepared_count_ = count;
   }
-  const int n = ::recvmmsg(fd_, messages_.data(), unsigned(count), MSG_DONTWAIT, nullptr);
+  for (int i = 0; i < count; ++i) {
+    msghdr& h = rx_messages_[size_t(i)].msg_hdr;
+    h.msg_namelen = sizeof(sockaddr_in);
+    h.msg_controllen = gro_ ? control_bytes : 0;
+  }
+  const int n = ::recvmmsg(fd_, rx_messages_.data(), unsigned(count), MSG_DONTWAIT, nullptr);
   if (n <= 0) return 0;
   for (int i = 0; i < n; ++i) {
+    msghdr& h = rx_messages_[size_t(i)].msg_hdr;
     // A datagram larger than the buffer is truncated: report it as such so
     // the decoder drops it (MSG_TRUNC).
-    batch[i].length = (messages_[size_t(i)].msg_hdr.msg_flags & MSG_TRUNC) ? 0 : messages_[size_t(i)].msg_len;
+    batch[i].length = (h.msg_flags & MSG_TRUNC) ? 0 : rx_messages_[size_t(i)].msg_len;
+    batch[i].segment_size = 0;
+    for (cmsghdr* c = h.msg_controllen ? CMSG_FIRSTHDR(&h) : nullptr; c; c = CMSG_NXTHDR(&h, c)) {
+      if (c->cmsg_level == IPPROTO_UDP && c->cmsg_type == UDP_GRO) {
+        int size = 0;
+        std::memcpy(&size, CMSG_DATA(c), sizeof size);
+        batch[i].segment_size = uint32_t(size);
+      }
+    }
   }
   return n;
 }
 
 int UdpSocket::send_batch(Datagram* batch, int count, int& error) {
   error = 0;
-  int sent = 0;
-  while (sent < count) {
-    const int chunk = std::min(count - sent, max_batch);
-    for (int i = 0; i < chunk; ++i) {
-      Datagram& d = batch[sent + i];
-      iovecs_[size_t(i)] = {d.data, d.length};
-      msghdr& h = messages_[size_t(i)].msg_hdr;
+  int done = 0;  // datagrams handed to the kernel (or given up on)
+  while (done < count) {
+    // Build up to max_batch messages; with GSO one message carries a run of
+    // equal-sized datagrams to the same peer (the last may be shorter).
+    int messages = 0;
+    size_t iov = 0;
+    int firsts[max_batch];
+    int sizes[max_batch];
+    int next = done;
+    while (next < count && messages < max_batch) {
+      const Datagram& first = batch[next];
+      int run = 1;
+      uint32_t bytes = first.length;
+      if (gso_) {
+        while (next + run < count && run < gso_max_segments) {
+          const Datagram& d = batch[next + run];
+          if (d.length > first.length || bytes + d.length > gso_max_bytes ||
+              d.peer.sin_addr.s_addr != first.peer.sin_addr.s_addr || d.peer.sin_port != first.peer.sin_port)
+            break;
+          if (batch[next + run - 1].length != first.length) break;  // only the last may be shorter
+          bytes += d.length;
+          ++run;
+        }
+      }
+      msghdr& h = messages_[size_t(messages)].msg_hdr;
       h = msghdr{};
-      h.msg_name = &d.peer;
+      h.msg_name = const_cast<sockaddr_in*>(&first.peer);
       h.msg_namelen = sizeof(sockaddr_in);
-      h.msg_iov = &iovecs_[size_t(i)];
-      h.msg_iovlen = 1;
+      h.msg_iov = &iovecs_[iov];
+      h.msg_iovlen = size_t(run);
+      for (int k = 0; k < run; ++k) iovecs_[iov++] = {batch[next + k].data, batch[next + k].length};
+      if (run > 1) {
+        char* control = &controls_[size_t(messages) * control_bytes];
+        h.msg_control = control;
+        h.msg_controllen = CMSG_SPACE(sizeof(uint16_t));
+        cmsghdr* c = CMSG_FIRSTHDR(&h);
+        c->cmsg_level = IPPROTO_UDP;
+        c->cmsg_type = UDP_SEGMENT;
+        c->cmsg_len = CMSG_LEN(sizeof(uint16_t));
+        const uint16_t segment = uint16_t(first.length);
+        std::memcpy(CMSG_DATA(c), &segment, sizeof segment);
+      }
+      firsts[messages] = next;
+      sizes[messages] = run;
+      ++messages;
+      next += run;
     }
-    const int n = ::sendmmsg(fd_, messages_.data(), unsigned(chunk), MSG_DONTWAIT);
+    const int n = ::sendmmsg(fd_, messages_.data(), unsigned(messages), MSG_DONTWAIT);
     if (n <= 0) {
       error = errno;
-      // The datagram is lost to the transport's retransmission, like a full NIC queue.
-      if (errno != EAGAIN && errno != EWOULDBLOCK && errno != ENOBUFS) ++sent;
-      else return sent;
+      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == ENOBUFS) return done;
+      if (sizes[0] > 1 && (errno == EIO || errno == EINVAL)) {
+        gso_ = false;  // the path cannot segment: fall back to one datagram per message
+        continue;
+      }
+      done = firsts[0] + sizes[0];  // drop the offending message; the transport retransmits
       continue;
     }
-    sent += n;
+    done = firsts[n - 1] + sizes[n - 1];
   }
-  return sent;
+  return done;
 }
 
 }  // namespace stellar::io

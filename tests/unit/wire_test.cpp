@@ -137,3 +137,31 @@ TEST(RoceWire, LayoutMatchesIbta) {
 }
 
 }  // namespace
+
+namespace {
+// The stellar trailer is CRC-32C of everything before it, checked against a
+// bitwise reference for lengths around the three-stream path's thresholds.
+TEST(StellarWire, TrailerIsCrc32c) {
+  using namespace stellar::offload;
+  Header h;
+  h.opcode = opcode::write_only;
+  for (uint32_t len : {0u, 7u, 700u, 767u, 768u, 769u, 1000u, 4096u, 4099u, 9000u}) {
+    std::vector<uint8_t> buf(len + 200);
+    h.payload_length = len;
+    h.message_length = len;
+    h.dma_length = len;
+    const size_t at = payload_offset(Mode::stellar, h);
+    for (uint32_t i = 0; i < len; ++i) buf[at + i] = uint8_t(i * 31 + 1);
+    const size_t n = encode(Mode::stellar, h, buf.data(), buf.size(), {});
+    // Reference: bitwise CRC-32C.
+    uint32_t c = ~0u;
+    for (size_t i = 0; i + 4 < n + 0 && i < n - 4; ++i) {
+      c ^= buf[i];
+      for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ 0x82f63b78u : c >> 1;
+    }
+    c = ~c;
+    const uint32_t stored = uint32_t(buf[n - 4]) << 24 | uint32_t(buf[n - 3]) << 16 | uint32_t(buf[n - 2]) << 8 | buf[n - 1];
+    EXPECT_EQ(stored, c) << "payload " << len;
+  }
+}
+}  // namespace

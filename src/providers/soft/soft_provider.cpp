@@ -49,6 +49,7 @@ class SoftPd;
 void accumulate(off::EngineCounters& sum, const off::EngineCounters& e) {
   sum.tx_packets += e.tx_packets, sum.tx_bytes += e.tx_bytes, sum.rx_packets += e.rx_packets, sum.rx_bytes += e.rx_bytes;
   sum.retransmitted_packets += e.retransmitted_packets, sum.timeouts += e.timeouts, sum.duplicates += e.duplicates;
+  sum.tail_probes += e.tail_probes;
   sum.out_of_window += e.out_of_window, sum.access_errors += e.access_errors, sum.decode_errors += e.decode_errors;
   sum.rnr_naks_sent += e.rnr_naks_sent, sum.unexpected_packets += e.unexpected_packets;
 }
@@ -166,13 +167,16 @@ class SoftContext final : public Context {
     }
     kick_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     const uint32_t capacity = options_.mtu + uint32_t(off::max_header_bytes) + 64;
-    rx_memory_.resize(size_t(rx_batch) * capacity);
+    // With GRO one receive may carry up to 64 KiB of coalesced datagrams.
+    const uint32_t rx_capacity = socket_.gro() ? 65536 : capacity;
+    socket_.enable_gso(options_.mode == Mode::stellar);
+    rx_memory_.resize(size_t(rx_batch) * rx_capacity);
     tx_memory_.resize(size_t(tx_batch) * capacity);
     held_.resize(capacity);
-    for (int i = 0; i < rx_batch; ++i) rx_[i] = io::Datagram{rx_memory_.data() + size_t(i) * capacity, capacity, 0, {}};
+    for (int i = 0; i < rx_batch; ++i) rx_[i] = io::Datagram{rx_memory_.data() + size_t(i) * rx_capacity, rx_capacity, 0, {}, 0};
     for (int i = 0; i < tx_batch; ++i) {
       tx_[i] = off::TxBuffer{tx_memory_.data() + size_t(i) * capacity, capacity, 0};
-      out_[i] = io::Datagram{tx_[i].data, capacity, 0, {}};
+      out_[i] = io::Datagram{tx_[i].data, capacity, 0, {}, 0};
     }
     fault_random_.seed(options_.faults.seed ? options_.faults.seed : std::random_device{}());
     faults_on_ = options_.faults.drop > 0 || options_.faults.duplicate > 0 || options_.faults.reorder > 0;
@@ -289,7 +293,7 @@ class SoftContext final : public Context {
   std::mt19937_64 fault_random_;
   std::thread thread_;
   std::atomic<bool> running_{false};
-  uint64_t malformed_ = 0, unknown_qp_ = 0, send_errors_ = 0;
+  uint64_t malformed_ = 0, unknown_qp_ = 0, send_errors_ = 0, receive_calls_ = 0, coalesced_ = 0;
   uint64_t fault_dropped_ = 0, fault_duplicated_ = 0, fault_reordered_ = 0;
 };
 
@@ -419,6 +423,7 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
           case CongestionControl::swift: e.cc = off::CcAlgorithm::swift; break;
         }
         e.cc_config.line_rate_bps = c.options_.line_rate_bps;
+        e.cc_config.swift_target_delay_ns = uint64_t(c.options_.cc_target_delay.count());
         const sockaddr_in& local = c.local_socket();
         e.tx_addresses = off::IcrcAddresses{local.sin_addr.s_addr, peer_.sin_addr.s_addr, ntohs(local.sin_port), ntohs(peer_.sin_port)};
         rx_addresses_ = off::IcrcAddresses{peer_.sin_addr.s_addr, local.sin_addr.s_addr, ntohs(peer_.sin_port), ntohs(local.sin_port)};
@@ -475,13 +480,14 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
     if (Status s = translate(wr.sg_list, w.segments, w.inline_data, writes_local ? uint32_t(access_local_write) : 0u); !s.ok()) return s;
     w.segment_count = uint32_t(wr.sg_list.size());
     if (!engine_) return Status(Errc::wrong_state, "post_send: QP has no connection");
-    switch (engine_->post_send(w, monotonic_ns())) {
+    const uint64_t now = monotonic_ns();
+    switch (engine_->post_send(w, now)) {
       case off::PostResult::ok: break;
       case off::PostResult::queue_full: return Status(Errc::queue_full, "post_send: send queue full (max_send_wr " + std::to_string(cap_.max_send_wr) + ")");
       case off::PostResult::invalid_argument: return Status(Errc::invalid_argument, "post_send: rejected by the transport (message too large?)");
       case off::PostResult::qp_in_error: return Status(Errc::wrong_state, "post_send: QP in ERROR");
     }
-    if (c.options_.progress == ProgressMode::inline_poll) c.flush_engine(*engine_, peer_, monotonic_ns());
+    if (c.options_.progress == ProgressMode::inline_poll) c.flush_engine(*engine_, peer_, now);
     else c.kick();
     return {};
   }
@@ -639,7 +645,7 @@ Result<std::shared_ptr<QueuePair>> SoftPd::create_qp(const QpInitAttributes& att
 void SoftContext::send_datagrams(size_t n, const sockaddr_in& peer) {
   int count = 0;
   for (size_t i = 0; i < n; ++i) {
-    io::Datagram d{tx_[i].data, tx_[i].capacity, tx_[i].length, peer};
+    io::Datagram d{tx_[i].data, tx_[i].capacity, tx_[i].length, peer, 0};
     if (faults_on_) {
       if (uniform() < options_.faults.drop) {
         ++fault_dropped_;
@@ -660,7 +666,7 @@ void SoftContext::send_datagrams(size_t n, const sockaddr_in& peer) {
         ++fault_duplicated_;
       }
       if (held_length_ && count < tx_batch) {
-        out_[count++] = io::Datagram{held_.data(), uint32_t(held_.size()), held_length_, held_peer_};
+        out_[count++] = io::Datagram{held_.data(), uint32_t(held_.size()), held_length_, held_peer_, 0};
         held_length_ = 0;
       }
     }
@@ -685,19 +691,26 @@ bool SoftContext::progress_locked(uint64_t now) {
     const int n = socket_.receive_batch(rx_, rx_batch);
     if (n == 0) break;
     work = true;
+    ++receive_calls_;
     for (int i = 0; i < n; ++i) {
-      uint16_t pkey;
-      uint32_t qpn;
-      if (!off::peek_destination(mode, rx_[i].data, rx_[i].length, pkey, qpn)) {
-        ++malformed_;
-        continue;
+      const uint32_t step = rx_[i].segment_size ? rx_[i].segment_size : std::max<uint32_t>(rx_[i].length, 1);
+      if (rx_[i].segment_size) coalesced_ += (rx_[i].length + step - 1) / step;
+      for (uint32_t at = 0; at < rx_[i].length || (at == 0 && rx_[i].length == 0); at += step) {
+        const uint8_t* data = rx_[i].data + at;
+        const uint32_t length = std::min(step, rx_[i].length - at);
+        uint16_t pkey;
+        uint32_t qpn;
+        if (!off::peek_destination(mode, data, length, pkey, qpn)) {
+          ++malformed_;
+          break;
+        }
+        auto it = qps_.find(uint64_t(pkey) << 32 | qpn);
+        if (it == qps_.end()) {
+          ++unknown_qp_;
+          continue;
+        }
+        it->second->engine()->receive(data, length, it->second->rx_addresses(), now);
       }
-      auto it = qps_.find(uint64_t(pkey) << 32 | qpn);
-      if (it == qps_.end()) {
-        ++unknown_qp_;
-        continue;
-      }
-      it->second->engine()->receive(rx_[i].data, rx_[i].length, it->second->rx_addresses(), now);
     }
     if (n < rx_batch) break;
   }
@@ -710,7 +723,7 @@ bool SoftContext::progress_locked(uint64_t now) {
   }
   if (held_length_) {
     // A datagram held back for reordering goes out now if nothing overtook it.
-    io::Datagram d{held_.data(), uint32_t(held_.size()), held_length_, held_peer_};
+    io::Datagram d{held_.data(), uint32_t(held_.size()), held_length_, held_peer_, 0};
     int error = 0;
     if (socket_.send_batch(&d, 1, error) != 1) ++send_errors_;
     held_length_ = 0;
@@ -756,6 +769,7 @@ ContextCounters SoftContext::counters() const {
   c.rx_bytes = sum.rx_bytes;
   c.retransmitted_packets = sum.retransmitted_packets;
   c.timeouts = sum.timeouts;
+  c.tail_probes = sum.tail_probes;
   c.rx_dropped_malformed = malformed_ + sum.decode_errors;
   c.rx_dropped_unknown_qp = unknown_qp_ + sum.unexpected_packets;
   c.rx_dropped_out_of_window = sum.out_of_window;
@@ -766,6 +780,8 @@ ContextCounters SoftContext::counters() const {
   c.fault_duplicated = fault_duplicated_;
   c.fault_reordered = fault_reordered_;
   c.send_errors = send_errors_;
+  c.rx_receive_calls = receive_calls_;
+  c.rx_coalesced = coalesced_;
   return c;
 }
 
