@@ -74,16 +74,17 @@ uint32_t x_pow_8n(size_t n) {
   return result;
 }
 
-uint32_t crc32c_combine(uint32_t first, uint32_t second, size_t second_length) {
-  // Packets mostly come in one size: remember the last operator.
-  thread_local size_t cached_length = 0;
-  thread_local uint32_t cached_operator = 1u << 31;
-  if (second_length != cached_length) {
-    cached_operator = x_pow_8n(second_length);
-    cached_length = second_length;
+// Multiplication by a fixed x^(8n) is linear over the register's bytes:
+// four 256-entry tables make it four lookups.
+struct ShiftTable {
+  uint32_t t[4][256];
+  explicit ShiftTable(size_t bytes) {
+    const uint32_t op = x_pow_8n(bytes);
+    for (int k = 0; k < 4; ++k)
+      for (uint32_t v = 0; v < 256; ++v) t[k][v] = multiply_mod(op, v << (8 * k));
   }
-  return multiply_mod(cached_operator, first) ^ second;
-}
+  uint32_t apply(uint32_t r) const { return t[0][r & 0xff] ^ t[1][(r >> 8) & 0xff] ^ t[2][(r >> 16) & 0xff] ^ t[3][r >> 24]; }
+};
 
 #if defined(__x86_64__)
 __attribute__((target("sse4.2"))) uint32_t crc32c_sse42_continue(uint32_t c32, const uint8_t* p, size_t n) {
@@ -98,26 +99,28 @@ __attribute__((target("sse4.2"))) uint32_t crc32c_sse42_continue(uint32_t c32, c
   return c32;
 }
 
-// Three interleaved streams hide the crc32 instruction's latency (one result
-// per cycle instead of one per three); their CRCs are then combined.
+// Three interleaved streams over consecutive 256-byte blocks hide the crc32
+// instruction's latency (one result per cycle instead of one per three). By
+// linearity, reg(c, X|Y|Z) = reg(c, X)*x^(8*512) + reg(0, Y)*x^(8*256) + reg(0, Z),
+// with the two constant shifts done by table.
 __attribute__((target("sse4.2"))) uint32_t crc32c_sse42(const uint8_t* p, size_t n) {
-  if (n < 768) return ~crc32c_sse42_continue(~0u, p, n);
-  const size_t block = (n / 3) & ~size_t(7);
-  uint64_t a = ~0u, b = ~0u, c = ~0u;
-  const uint8_t* q = p + block;
-  const uint8_t* r = p + 2 * block;
-  for (size_t i = 0; i < block; i += 8) {
-    uint64_t x, y, z;
-    std::memcpy(&x, p + i, 8);
-    std::memcpy(&y, q + i, 8);
-    std::memcpy(&z, r + i, 8);
-    a = _mm_crc32_u64(a, x);
-    b = _mm_crc32_u64(b, y);
-    c = _mm_crc32_u64(c, z);
+  constexpr size_t block = 256;
+  static const ShiftTable shift_one(block), shift_two(2 * block);
+  uint32_t crc = ~0u;
+  for (; n >= 3 * block; n -= 3 * block, p += 3 * block) {
+    uint64_t a = crc, b = 0, c = 0;
+    for (size_t i = 0; i < block; i += 8) {
+      uint64_t x, y, z;
+      std::memcpy(&x, p + i, 8);
+      std::memcpy(&y, p + block + i, 8);
+      std::memcpy(&z, p + 2 * block + i, 8);
+      a = _mm_crc32_u64(a, x);
+      b = _mm_crc32_u64(b, y);
+      c = _mm_crc32_u64(c, z);
+    }
+    crc = shift_two.apply(uint32_t(a)) ^ shift_one.apply(uint32_t(b)) ^ uint32_t(c);
   }
-  uint32_t crc = crc32c_combine(~uint32_t(a), ~uint32_t(b), block);
-  crc = crc32c_combine(crc, ~uint32_t(c), block);
-  return ~crc32c_sse42_continue(~crc, p + 3 * block, n - 3 * block);
+  return ~crc32c_sse42_continue(crc, p, n);
 }
 #endif
 
