@@ -5,9 +5,10 @@ set -euo pipefail
 packages=(
   build-essential cmake ninja-build pkg-config
   zlib1g-dev libibverbs-dev librdmacm-dev ibverbs-providers
-  libasio-dev nlohmann-json3-dev libcli11-dev
+  libasio-dev nlohmann-json3-dev libcli11-dev libspdlog-dev libfmt-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   sockperf ucx-utils
+  clang libclang-rt-14-dev
 )
 missing=()
 for p in "${packages[@]}"; do

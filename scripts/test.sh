@@ -15,6 +15,13 @@ for variant in release asan; do
   echo "=== $variant tests ==="
   (cd "$dir" && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ctest --output-on-failure -j1 --timeout 600)
 done
+echo "=== libFuzzer: 60 s on the decoders and the engine's receive path ==="
+mkdir -p build-fuzz
+clang++ -std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -Ioffload/include \
+  tests/fuzz/fuzz_receive.cpp offload/src/wire.cpp offload/src/engine.cpp offload/src/cc.cpp -lz -o build-fuzz/fuzz_receive
+rm -rf build-fuzz/corpus && cp -r tests/fuzz/corpus build-fuzz/corpus  # new inputs stay out of the source tree
+build-fuzz/fuzz_receive -max_total_time=60 -print_final_stats=1 build-fuzz/corpus 2>&1 | tail -4
+
 echo "=== install check ==="
 prefix=$(mktemp -d)
 cmake --install build-test-release --prefix "$prefix" > /dev/null

@@ -9,6 +9,7 @@
 #include <asio.hpp>
 #include <nlohmann/json.hpp>
 
+#include "core/log.hpp"
 #include "stellar/cm.hpp"
 
 namespace stellar::cm {
@@ -134,6 +135,7 @@ class Request final : public ConnectionRequest {
     if (private_data.size() > max_private_data) return Status(Errc::invalid_argument, "private data above 4096 bytes");
     answered_ = true;
     if (Status s = to_rts(qp, remote_, timing); !s.ok()) {
+      log().warn("cm: rejecting QP {} from {}:{}: {}", remote_.qp_num, remote_.address, remote_.udp_port, s.to_string());
       (void)channel_->write_line(json{{"type", "reject"}, {"reason", s.to_string()}}, Clock::now() + std::chrono::seconds(1));
       return s;
     }
@@ -145,6 +147,7 @@ class Request final : public ConnectionRequest {
     auto ready = channel_->read_line(deadline);
     if (!ready) return ready.status();
     if ((*ready)["type"] != "ready") return Status(Errc::protocol_error, "peer did not confirm the connection");
+    log().info("cm: accepted QP {} at {}:{} on local QP {}", remote_.qp_num, remote_.address, remote_.udp_port, qp.qp_num());
     return {};
   }
 
@@ -198,10 +201,16 @@ class TcpListener final : public Listener {
       // The socket lives in the request's own io_context (accepted across contexts).
       auto& own = channel;
       auto hello = own->read_line(std::min(deadline, Clock::now() + std::chrono::seconds(5)));
-      if (!hello || (*hello)["type"] != "connect") continue;  // a stray or broken client: ignore it
+      if (!hello || (*hello)["type"] != "connect") {  // a stray or broken client: ignore it
+        log().warn("cm: ignored a connection without a valid request: {}", hello ? "wrong message type" : hello.status().to_string());
+        continue;
+      }
       auto remote = endpoint_from(*hello);
       auto data = from_hex(hello->value("private_data", ""));
-      if (!remote || !data) continue;
+      if (!remote || !data) {
+        log().warn("cm: ignored a malformed connection request");
+        continue;
+      }
       return std::unique_ptr<ConnectionRequest>(std::make_unique<Request>(std::move(io), std::move(own), *remote, std::move(*data)));
     }
   }
@@ -254,6 +263,7 @@ Result<Connected> connect(const std::string& address, uint16_t port, QueuePair& 
   if (!data) return data.status();
   if (Status s = to_rts(qp, *remote, options.timing); !s.ok()) return s;
   if (Status s = channel.write_line(json{{"type", "ready"}}, deadline); !s.ok()) return s;
+  log().info("cm: connected QP {} to {}:{} QP {}", qp.qp_num(), remote->address, remote->udp_port, remote->qp_num);
   return Connected{*remote, std::move(*data)};
 }
 

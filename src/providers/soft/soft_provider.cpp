@@ -19,6 +19,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/log.hpp"
 #include "core/providers.hpp"
 #include "io/udp_socket.hpp"
 #include "stellar/offload/engine.hpp"
@@ -183,6 +184,10 @@ class SoftContext final : public Context {
     auto& t = tenants_[""];
     t.name = "";
     t.pkey = 0xffff;
+    log().info("soft provider: {} mode on {}:{}, mtu {}, UDP GSO {}, GRO {}, {} progress, faults drop {} dup {} reorder {}",
+               to_string(options_.mode), local_address(), local_port(), options_.mtu, socket_.gso() ? "on" : "off",
+               socket_.gro() ? "on" : "off", options_.progress == ProgressMode::thread ? "engine-thread" : "inline",
+               options_.faults.drop, options_.faults.duplicate, options_.faults.reorder);
     if (options_.progress == ProgressMode::thread) {
       running_.store(true);
       thread_ = std::thread([this] { engine_thread(); });
@@ -439,6 +444,7 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
         state_ = QpState::rts;
         return {};
       case QpState::error:
+        log().debug("QP {}: moved to ERROR by the user", qpn_);
         state_ = QpState::error;
         if (engine_) engine_->enter_error();
         else flush_early_receives();
