@@ -17,6 +17,7 @@ constexpr uint32_t duplicate_threshold = 3;  // later packets acknowledged befor
 constexpr uint32_t pending_capacity = 16;     // stellar: READ/atomic requests that arrived ahead of a gap
 constexpr uint32_t control_capacity = 256;
 constexpr uint32_t atomic_replay_capacity = 32;
+constexpr uint32_t zero_copy_bytes = 1024;    // larger payloads are referenced, not copied, when sent
 
 enum SlotFlags : uint8_t { slot_sent = 1, slot_done = 2, slot_lost = 4, slot_retransmitted = 8, slot_in_flight = 16 };
 
@@ -84,6 +85,22 @@ void gather(const Segment* segments, uint32_t count, uint64_t offset, uint8_t* o
     length -= n;
     offset = 0;
   }
+}
+
+// The pieces of a scatter/gather list covering [offset, offset + length).
+uint32_t slice(const Segment* segments, uint32_t count, uint64_t offset, uint32_t length, PayloadPiece* out) {
+  uint32_t n = 0;
+  for (uint32_t i = 0; i < count && length > 0; ++i) {
+    if (offset >= segments[i].length) {
+      offset -= segments[i].length;
+      continue;
+    }
+    const uint32_t take = uint32_t(std::min<uint64_t>(segments[i].length - offset, length));
+    out[n++] = PayloadPiece{segments[i].address + offset, take};
+    length -= take;
+    offset = 0;
+  }
+  return n;
 }
 
 void scatter(const Segment* segments, uint32_t count, uint64_t offset, const uint8_t* in, uint32_t length) {
@@ -698,7 +715,12 @@ struct QpEngine::State {
                     uint32_t(diff(add(psn, psns_used), una)) > config.window_packets / 2;
     const size_t at = payload_offset(config.mode, h);
     if (b.capacity < at + payload + max_header_bytes) return 0;
-    if (payload) gather(w.work.segments, w.work.segment_count, offset, b.data + at, payload);
+    b.piece_count = 0;
+    if (payload >= zero_copy_bytes) {
+      b.piece_count = slice(w.work.segments, w.work.segment_count, offset, payload, b.pieces);
+    } else if (payload) {
+      gather(w.work.segments, w.work.segment_count, offset, b.data + at, payload);
+    }
     return finish(h, b);
   }
 
@@ -711,7 +733,13 @@ struct QpEngine::State {
       unacked = 0;
       ack_due = never;
     }
-    b.length = uint32_t(encode(config.mode, h, b.data, b.capacity, config.tx_addresses));
+    if (b.piece_count) {
+      b.header_length = uint32_t(encode_scattered(config.mode, h, b.data, b.capacity, b.pieces, b.piece_count, b.trailer,
+                                                  b.trailer_length, config.tx_addresses));
+      b.length = b.header_length ? b.header_length + h.payload_length + b.trailer_length : 0;
+    } else {
+      b.length = uint32_t(encode(config.mode, h, b.data, b.capacity, config.tx_addresses));
+    }
     if (b.length) {
       ++counters.tx_packets;
       counters.tx_bytes += b.length;
@@ -1193,6 +1221,7 @@ struct QpEngine::State {
       h.syndrome = c.syndrome;
       h.msn = msn;
       h.atomic_original = c.atomic_original;
+      buffers[n].piece_count = 0;
       if (!finish(h, buffers[n])) break;
       control_head = (control_head + 1) % control.size();
       --control_count;
@@ -1228,7 +1257,15 @@ struct QpEngine::State {
           --reads_count;
           continue;
         }
-        std::memcpy(buffers[n].data + at, source, length);
+        if (length >= zero_copy_bytes) {
+          buffers[n].pieces[0] = PayloadPiece{source, length};
+          buffers[n].piece_count = 1;
+        } else {
+          std::memcpy(buffers[n].data + at, source, length);
+          buffers[n].piece_count = 0;
+        }
+      } else {
+        buffers[n].piece_count = 0;
       }
       if (!finish(h, buffers[n])) break;
       ++n;
@@ -1251,6 +1288,7 @@ struct QpEngine::State {
     h.psn = (epsn - 1) & psn_mask;
     unacked = 0;
     ack_due = never;
+    buffers[0].piece_count = 0;
     if (!finish(h, buffers[0])) return 0;
     ++counters.acks_sent;
     return 1;
@@ -1385,6 +1423,23 @@ const EngineConfig& QpEngine::config() const { return s_->config; }
 uint64_t QpEngine::rto_ns() const { return s_->rto; }
 uint64_t QpEngine::smoothed_rtt_ns() const { return s_->srtt; }
 const CongestionControl& QpEngine::congestion_control() const { return *s_->cc; }
+
+size_t flatten(const TxBuffer& b, uint8_t* out, size_t capacity) {
+  if (b.length > capacity) return 0;
+  if (b.piece_count == 0) {
+    std::memcpy(out, b.data, b.length);
+    return b.length;
+  }
+  uint8_t* p = out;
+  std::memcpy(p, b.data, b.header_length);
+  p += b.header_length;
+  for (uint32_t i = 0; i < b.piece_count; ++i) {
+    std::memcpy(p, b.pieces[i].data, b.pieces[i].length);
+    p += b.pieces[i].length;
+  }
+  std::memcpy(p, b.trailer, b.trailer_length);
+  return b.length;
+}
 
 const char* to_string(CompletionStatus s) {
   switch (s) {

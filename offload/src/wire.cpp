@@ -34,10 +34,11 @@ constexpr std::array<uint32_t, 256> make_crc32c_table() {
 }
 constexpr auto crc32c_table = make_crc32c_table();
 
-uint32_t crc32c_software(const uint8_t* p, size_t n) {
-  uint32_t c = ~0u;
+// All CRC-32C helpers work on the raw register (no pre/post inversion), so a
+// checksum can run over several pieces: reg = extend(extend(~0, a), b); ~reg.
+uint32_t crc32c_software(uint32_t c, const uint8_t* p, size_t n) {
   for (size_t i = 0; i < n; ++i) c = crc32c_table[(c ^ p[i]) & 0xff] ^ (c >> 8);
-  return ~c;
+  return c;
 }
 
 // GF(2) arithmetic modulo the (reflected) CRC-32C polynomial, to combine the
@@ -103,10 +104,9 @@ __attribute__((target("sse4.2"))) uint32_t crc32c_sse42_continue(uint32_t c32, c
 // instruction's latency (one result per cycle instead of one per three). By
 // linearity, reg(c, X|Y|Z) = reg(c, X)*x^(8*512) + reg(0, Y)*x^(8*256) + reg(0, Z),
 // with the two constant shifts done by table.
-__attribute__((target("sse4.2"))) uint32_t crc32c_sse42(const uint8_t* p, size_t n) {
+__attribute__((target("sse4.2"))) uint32_t crc32c_sse42(uint32_t crc, const uint8_t* p, size_t n) {
   constexpr size_t block = 256;
   static const ShiftTable shift_one(block), shift_two(2 * block);
-  uint32_t crc = ~0u;
   for (; n >= 3 * block; n -= 3 * block, p += 3 * block) {
     uint64_t a = crc, b = 0, c = 0;
     for (size_t i = 0; i < block; i += 8) {
@@ -120,17 +120,23 @@ __attribute__((target("sse4.2"))) uint32_t crc32c_sse42(const uint8_t* p, size_t
     }
     crc = shift_two.apply(uint32_t(a)) ^ shift_one.apply(uint32_t(b)) ^ uint32_t(c);
   }
-  return ~crc32c_sse42_continue(crc, p, n);
+  return crc32c_sse42_continue(crc, p, n);
 }
 #endif
 
-uint32_t crc32c(const uint8_t* p, size_t n) {
+}  // namespace
+
+uint32_t crc32c_extend(uint32_t reg, const uint8_t* p, size_t n) {
 #if defined(__x86_64__)
   static const bool hardware = __builtin_cpu_supports("sse4.2");
-  if (hardware) return crc32c_sse42(p, n);
+  if (hardware) return crc32c_sse42(reg, p, n);
 #endif
-  return crc32c_software(p, n);
+  return crc32c_software(reg, p, n);
 }
+
+uint32_t crc32c(const uint8_t* p, size_t n) { return ~crc32c_extend(~0u, p, n); }
+
+namespace {
 
 // ---- header sizes ----
 constexpr size_t roce_bth = 12, roce_reth = 16, roce_aeth = 4, roce_atomic_eth = 28, roce_atomic_ack = 8,
@@ -243,7 +249,12 @@ size_t payload_offset(Mode mode, const Header& h) {
   return mode == Mode::roce ? roce_header_bytes(h) : stellar_header_bytes(h);
 }
 
-uint32_t roce_icrc(const uint8_t* datagram, size_t length, const IcrcAddresses& a) {
+namespace {
+
+// ICRC of a datagram made of `header` (BTH first), payload pieces, `pad`
+// zero bytes, and the 4-byte ICRC slot; `length` is the whole datagram.
+uint32_t roce_icrc_pieces(const uint8_t* header, size_t header_length, const PayloadPiece* pieces, size_t count, uint32_t pad,
+                          size_t length, const IcrcAddresses& a) {
   // The ICRC covers a dummy all-ones LRH, the IPv4 and UDP headers with their
   // variant fields (TOS, TTL, checksums) forced to ones, and the BTH with its
   // reserved byte forced to ones (IBTA Annex A17.3.3). We send from unconnected
@@ -269,20 +280,21 @@ uint32_t roce_icrc(const uint8_t* datagram, size_t length, const IcrcAddresses& 
   put16(udp + 4, udp_length);
   put16(udp + 6, 0xffff);
   uint8_t* bth = udp + 8;
-  std::memcpy(bth, datagram, roce_bth);
+  std::memcpy(bth, header, roce_bth);
   bth[4] = 0xff;
   uLong crc = crc32(0L, pseudo, sizeof pseudo);
-  crc = crc32(crc, datagram + roce_bth, uInt(length - roce_bth - trailer));
+  crc = crc32(crc, header + roce_bth, uInt(header_length - roce_bth));
+  for (size_t i = 0; i < count; ++i) crc = crc32(crc, pieces[i].data, pieces[i].length);
+  static const uint8_t zeros[4] = {};
+  crc = crc32(crc, zeros, pad);
   return uint32_t(crc);
 }
 
-size_t encode(Mode mode, const Header& h, uint8_t* out, size_t capacity, const IcrcAddresses& addresses) {
+// Writes every header of h (everything before the payload); returns its size.
+size_t write_headers(Mode mode, const Header& h, uint8_t* out, uint32_t pad) {
   const size_t header = payload_offset(mode, h);
+  uint8_t* p = out;
   if (mode == Mode::roce) {
-    const uint32_t pad = (4 - (h.payload_length & 3)) & 3;
-    const size_t total = header + h.payload_length + pad + trailer;
-    if (total > capacity) return 0;
-    uint8_t* p = out;
     p[0] = h.opcode;
     p[1] = uint8_t((h.solicited ? 0x80 : 0) | 0x40 /* MigReq */ | pad << 4);
     put16(p + 2, h.pkey);
@@ -307,19 +319,9 @@ size_t encode(Mode mode, const Header& h, uint8_t* out, size_t capacity, const I
       put64(p, h.atomic_original);
       p += roce_atomic_ack;
     }
-    if (opcode_has_imm(h.opcode)) {
-      put32(p, h.imm);
-      p += imm_bytes;
-    }
-    std::memset(out + header + h.payload_length, 0, pad);
-    const uint32_t icrc = roce_icrc(out, total, addresses);
-    std::memcpy(out + total - trailer, &icrc, 4);  // little-endian, as rxe and NICs emit it
-    return total;
+    if (opcode_has_imm(h.opcode)) put32(p, h.imm);
+    return header;
   }
-
-  const size_t total = header + h.payload_length + trailer;
-  if (total > capacity) return 0;
-  uint8_t* p = out;
   p[0] = stellar_magic;
   p[1] = stellar_version;
   p[2] = h.opcode;
@@ -355,8 +357,53 @@ size_t encode(Mode mode, const Header& h, uint8_t* out, size_t capacity, const I
     p += roce_aeth;
   }
   if (h.opcode == opcode::atomic_acknowledge) put64(p, h.atomic_original);
-  put32(out + total - trailer, crc32c(out, total - trailer));
+  return header;
+}
+
+// Pad (roce) and checksum trailer over header + pieces; returns its size.
+uint32_t write_trailer(Mode mode, const uint8_t* header, size_t header_length, const PayloadPiece* pieces, size_t count,
+                       uint32_t payload_length, uint8_t* out, const IcrcAddresses& addresses) {
+  if (mode == Mode::roce) {
+    const uint32_t pad = (4 - (payload_length & 3)) & 3;
+    size_t piece_bytes = 0;
+    for (size_t i = 0; i < count; ++i) piece_bytes += pieces[i].length;
+    const size_t total = header_length + piece_bytes + pad + trailer;
+    std::memset(out, 0, pad);
+    const uint32_t icrc = roce_icrc_pieces(header, header_length, pieces, count, pad, total, addresses);
+    std::memcpy(out + pad, &icrc, 4);  // little-endian, as rxe and NICs emit it
+    return pad + trailer;
+  }
+  uint32_t reg = crc32c_extend(~0u, header, header_length);
+  for (size_t i = 0; i < count; ++i) reg = crc32c_extend(reg, pieces[i].data, pieces[i].length);
+  put32(out, ~reg);
+  return trailer;
+}
+
+}  // namespace
+
+uint32_t roce_icrc(const uint8_t* datagram, size_t length, const IcrcAddresses& a) {
+  return roce_icrc_pieces(datagram, length - trailer, nullptr, 0, 0, length, a);
+}
+
+size_t encode(Mode mode, const Header& h, uint8_t* out, size_t capacity, const IcrcAddresses& addresses) {
+  const size_t header = payload_offset(mode, h);
+  const uint32_t pad = mode == Mode::roce ? (4 - (h.payload_length & 3)) & 3 : 0;
+  const size_t total = header + h.payload_length + pad + trailer;
+  if (total > capacity) return 0;
+  write_headers(mode, h, out, pad);
+  // The payload already sits at out + header: checksum it as part of the header run.
+  write_trailer(mode, out, header + h.payload_length, nullptr, 0, h.payload_length, out + header + h.payload_length, addresses);
   return total;
+}
+
+size_t encode_scattered(Mode mode, const Header& h, uint8_t* out, size_t capacity, const PayloadPiece* pieces, size_t count,
+                        uint8_t* trailer_out, uint32_t& trailer_length, const IcrcAddresses& addresses) {
+  const size_t header = payload_offset(mode, h);
+  if (header > capacity) return 0;
+  const uint32_t pad = mode == Mode::roce ? (4 - (h.payload_length & 3)) & 3 : 0;
+  write_headers(mode, h, out, pad);
+  trailer_length = write_trailer(mode, out, header, pieces, count, h.payload_length, trailer_out, addresses);
+  return header;
 }
 
 DecodeError decode(Mode mode, const uint8_t* data, size_t length, const IcrcAddresses& addresses, Header& h) {

@@ -16,6 +16,8 @@ constexpr int socket_buffer_bytes = 16 << 20;
 constexpr size_t control_bytes = CMSG_SPACE(sizeof(uint16_t)) + CMSG_SPACE(sizeof(int));
 constexpr uint32_t gso_max_bytes = 65000;  // UDP payload of one GSO message
 constexpr int gso_max_segments = 64;
+constexpr size_t max_parts = 20;          // iovecs of one datagram (header, payload pieces, trailer)
+constexpr size_t max_message_iovecs = 1024;  // UIO_MAXIOV
 #ifndef UDP_SEGMENT
 #define UDP_SEGMENT 103
 #endif
@@ -72,7 +74,7 @@ Status UdpSocket::open(const std::string& address, uint16_t port) {
   socklen_t segment_length = sizeof segment;
   gso_supported_ = getsockopt(fd_, IPPROTO_UDP, UDP_SEGMENT, &segment, &segment_length) == 0;
   messages_.resize(max_batch);
-  iovecs_.resize(size_t(max_batch) * gso_max_segments);
+  iovecs_.resize(size_t(max_batch) * gso_max_segments * max_parts);
   controls_.resize(size_t(max_batch) * control_bytes);
   rx_messages_.resize(max_batch);
   rx_iovecs_.resize(max_batch);
@@ -136,14 +138,17 @@ int UdpSocket::send_batch(Datagram* batch, int count, int& error) {
       const Datagram& first = batch[next];
       int run = 1;
       uint32_t bytes = first.length;
+      size_t parts = first.part_count ? first.part_count : 1;
       if (gso_) {
         while (next + run < count && run < gso_max_segments) {
           const Datagram& d = batch[next + run];
-          if (d.length > first.length || bytes + d.length > gso_max_bytes ||
+          const size_t more = d.part_count ? d.part_count : 1;
+          if (d.length > first.length || bytes + d.length > gso_max_bytes || parts + more > max_message_iovecs ||
               d.peer.sin_addr.s_addr != first.peer.sin_addr.s_addr || d.peer.sin_port != first.peer.sin_port)
             break;
           if (batch[next + run - 1].length != first.length) break;  // only the last may be shorter
           bytes += d.length;
+          parts += more;
           ++run;
         }
       }
@@ -152,8 +157,15 @@ int UdpSocket::send_batch(Datagram* batch, int count, int& error) {
       h.msg_name = const_cast<sockaddr_in*>(&first.peer);
       h.msg_namelen = sizeof(sockaddr_in);
       h.msg_iov = &iovecs_[iov];
-      h.msg_iovlen = size_t(run);
-      for (int k = 0; k < run; ++k) iovecs_[iov++] = {batch[next + k].data, batch[next + k].length};
+      h.msg_iovlen = parts;
+      for (int k = 0; k < run; ++k) {
+        const Datagram& d = batch[next + k];
+        if (d.part_count) {
+          for (uint32_t j = 0; j < d.part_count; ++j) iovecs_[iov++] = d.parts[j];
+        } else {
+          iovecs_[iov++] = {d.data, d.length};
+        }
+      }
       if (run > 1) {
         char* control = &controls_[size_t(messages) * control_bytes];
         h.msg_control = control;

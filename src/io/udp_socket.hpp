@@ -4,6 +4,7 @@
 #pragma once
 
 #include <netinet/in.h>
+#include <sys/uio.h>
 
 #include <cstdint>
 #include <string>
@@ -21,6 +22,10 @@ struct Datagram {
   // Received with UDP GRO: `length` bytes hold several datagrams of
   // `segment_size` bytes each (the last may be shorter). 0: one datagram.
   uint32_t segment_size = 0;
+  // Sending only: when part_count > 0 the datagram is these pieces in order
+  // (zero-copy gather of headers, payload in place, trailer); length is their total.
+  const struct iovec* parts = nullptr;
+  uint32_t part_count = 0;
 };
 
 class UdpSocket {

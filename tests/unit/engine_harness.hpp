@@ -4,6 +4,7 @@
 // generator, so every run is reproducible.
 #pragma once
 
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -12,6 +13,11 @@
 #include <vector>
 
 #include "stellar/offload/engine.hpp"
+
+#define ASSERT_LEN(x) \
+  do {                  \
+    if (!(x)) std::abort(); \
+  } while (0)
 
 namespace stellar::test {
 
@@ -109,6 +115,7 @@ struct Pair {
   bool b_alive = true;
   std::vector<std::vector<uint8_t>> buffers;
   std::vector<TxBuffer> tx;
+  std::vector<uint8_t> flat;
 
   Pair(Mode mode, ChannelFaults faults, uint64_t seed, EngineConfig base = {})
       : a_to_b(faults, seed), b_to_a(faults, seed * 7 + 1) {
@@ -129,7 +136,11 @@ struct Pair {
   void pump(QpEngine& e, Channel& out) {
     for (;;) {
       const size_t n = e.transmit(tx.data(), tx.size(), now);
-      for (size_t i = 0; i < n; ++i) out.send(tx[i].data, tx[i].length, now);
+      for (size_t i = 0; i < n; ++i) {
+        flat.resize(tx[i].length);
+        ASSERT_LEN(flatten(tx[i], flat.data(), flat.size()) == tx[i].length);
+        out.send(flat.data(), flat.size(), now);
+      }
       if (n < tx.size()) break;
     }
   }

@@ -291,6 +291,7 @@ class SoftContext final : public Context {
   std::vector<uint8_t> rx_memory_, tx_memory_, held_;
   io::Datagram rx_[rx_batch];
   off::TxBuffer tx_[tx_batch];
+  iovec tx_parts_[tx_batch][off::max_segments + 2];
   io::Datagram out_[tx_batch + 1];
   uint32_t held_length_ = 0;
   sockaddr_in held_peer_{};
@@ -652,14 +653,24 @@ void SoftContext::send_datagrams(size_t n, const sockaddr_in& peer) {
   int count = 0;
   for (size_t i = 0; i < n; ++i) {
     io::Datagram d{tx_[i].data, tx_[i].capacity, tx_[i].length, peer, 0};
+    if (tx_[i].piece_count) {
+      // Zero-copy: headers from the send buffer, payload from registered memory.
+      iovec* parts = tx_parts_[i];
+      uint32_t k = 0;
+      parts[k++] = {tx_[i].data, tx_[i].header_length};
+      for (uint32_t j = 0; j < tx_[i].piece_count; ++j)
+        parts[k++] = {const_cast<uint8_t*>(tx_[i].pieces[j].data), tx_[i].pieces[j].length};
+      parts[k++] = {tx_[i].trailer, tx_[i].trailer_length};
+      d.parts = parts;
+      d.part_count = k;
+    }
     if (faults_on_) {
       if (uniform() < options_.faults.drop) {
         ++fault_dropped_;
         continue;
       }
       if (held_length_ == 0 && uniform() < options_.faults.reorder) {
-        std::memcpy(held_.data(), d.data, d.length);  // sent after the next datagram
-        held_length_ = d.length;
+        held_length_ = uint32_t(off::flatten(tx_[i], held_.data(), held_.size()));  // sent after the next datagram
         held_peer_ = peer;
         ++fault_reordered_;
         continue;

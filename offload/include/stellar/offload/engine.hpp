@@ -151,10 +151,19 @@ struct EngineConfig {
   IcrcAddresses tx_addresses{};    // roce mode ICRC of what we send
 };
 
+// One datagram to send. Small payloads are copied into `data`; large ones
+// stay in registered memory and are referenced (zero-copy gather): the
+// datagram is then data[0..header_length) + payload pieces + trailer. The
+// pieces are valid until the next call into the engine.
 struct TxBuffer {
   uint8_t* data = nullptr;
-  uint32_t capacity = 0;  // >= mtu + max_header_bytes
-  uint32_t length = 0;    // set by the engine
+  uint32_t capacity = 0;       // >= mtu + max_header_bytes
+  uint32_t length = 0;         // whole datagram, set by the engine
+  uint32_t header_length = 0;  // bytes in data when piece_count > 0
+  uint32_t piece_count = 0;    // 0: data[0..length) is the whole datagram
+  PayloadPiece pieces[max_segments] = {};
+  uint8_t trailer[8] = {};
+  uint32_t trailer_length = 0;
 };
 
 struct EngineCounters {
@@ -170,6 +179,10 @@ struct EngineCounters {
   uint64_t unexpected_packets = 0;  // responses/acks that match nothing outstanding: dropped
   uint64_t completions = 0;
 };
+
+// Copies a (possibly scattered) datagram into one contiguous buffer; returns
+// its length, 0 if `capacity` is too small. For tests and tools.
+size_t flatten(const TxBuffer&, uint8_t* out, size_t capacity);
 
 enum class PostResult : uint8_t { ok, queue_full, invalid_argument, qp_in_error };
 

@@ -137,6 +137,18 @@ size_t encoded_header_bytes(Mode, const Header& h);
 size_t payload_offset(Mode, const Header& h);
 size_t encode(Mode, const Header& h, uint8_t* out, size_t capacity, const IcrcAddresses& addresses);
 
+// Zero-copy variant: the payload stays in place as `count` pieces (h.payload_length
+// is their total). Writes the headers into out (returns their size, 0 if
+// `capacity` is too small) and the trailer — roce: pad + ICRC, stellar:
+// CRC-32C — into trailer_out (8 bytes), setting trailer_length. The datagram
+// is out[0..header) + pieces + trailer_out[0..trailer_length).
+struct PayloadPiece {
+  const uint8_t* data = nullptr;
+  uint32_t length = 0;
+};
+size_t encode_scattered(Mode, const Header& h, uint8_t* out, size_t capacity, const PayloadPiece* pieces, size_t count,
+                        uint8_t* trailer_out, uint32_t& trailer_length, const IcrcAddresses& addresses);
+
 // Parses and verifies a datagram. On success fills h (payload points into
 // data) and returns DecodeError::none.
 DecodeError decode(Mode, const uint8_t* data, size_t length, const IcrcAddresses& addresses, Header& h);
@@ -148,5 +160,10 @@ bool peek_destination(Mode, const uint8_t* data, size_t length, uint16_t& pkey, 
 // RoCEv2 ICRC of a complete datagram whose last 4 bytes are the ICRC slot
 // (their value is ignored). Exposed for tests and benchmarks.
 uint32_t roce_icrc(const uint8_t* datagram, size_t length, const IcrcAddresses& addresses);
+
+// CRC-32C (Castagnoli) of a buffer, and the raw-register form for checksums
+// over several pieces: ~crc32c_extend(crc32c_extend(~0u, a, n), b, m).
+uint32_t crc32c(const uint8_t* data, size_t length);
+uint32_t crc32c_extend(uint32_t reg, const uint8_t* data, size_t length);
 
 }  // namespace stellar::offload
