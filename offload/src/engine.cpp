@@ -188,6 +188,7 @@ struct QpEngine::State {
   uint32_t rq_head_sequence = 0;  // receive sequence of rq[rq_head]
   uint32_t epsn = 0;              // every PSN before this one has arrived
   std::vector<uint8_t> received;  // stellar: arrival marks for [epsn, epsn + window)
+  uint32_t received_end = 0;      // one past the highest PSN marked
   uint32_t msn = 0;
   std::vector<ReadResponse> reads;
   uint32_t reads_head = 0, reads_count = 0;
@@ -232,7 +233,7 @@ struct QpEngine::State {
     ccc.mtu_bytes = config.mtu;
     cc = make_congestion_control(config.cc, ccc);
     una = send_psn = max_sent = assign_psn = acked_upto = highest_done = loss_scan = config.send_psn & psn_mask;
-    epsn = config.receive_psn & psn_mask;
+    epsn = received_end = config.receive_psn & psn_mask;
     rto = config.rto_initial_ns;
   }
 
@@ -825,6 +826,7 @@ struct QpEngine::State {
   // responder
   // =====================================================================
   uint64_t sack_bitmap() const {
+    if (diff(received_end, epsn) <= 1) return 0;  // nothing beyond the first hole: the common case
     uint64_t bits = 0;
     for (uint32_t i = 0; i < 64; ++i)
       if (received[add(epsn, i + 1) & window_mask]) bits |= uint64_t(1) << i;
@@ -950,6 +952,7 @@ struct QpEngine::State {
       return;
     }
     for (uint32_t i = 0; i < count; ++i) received[add(psn, i) & window_mask] = 1;
+    if (diff(add(psn, count), received_end) > 0) received_end = add(psn, count);
     while (received[epsn & window_mask]) {
       received[epsn & window_mask] = 0;
       epsn = add(epsn, 1);

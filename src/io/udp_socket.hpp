@@ -44,7 +44,7 @@ class UdpSocket {
   // covers, so only the stellar mode turns it on.
   void enable_gso(bool on) { gso_ = on && gso_supported_; }
   bool gso() const { return gso_; }
-  bool gro() const { return gro_; }
+  bool gro() const { return gro_supported_; }  // available (it is switched on under bulk traffic)
   int fd() const { return fd_; }
   const sockaddr_in& local() const { return local_; }
 
@@ -58,7 +58,7 @@ class UdpSocket {
  private:
   int fd_ = -1;
   sockaddr_in local_{};
-  bool gso_ = false, gso_supported_ = false, gro_ = false;
+  bool gso_ = false, gso_supported_ = false, gro_ = false;  // gro_: currently on (see receive_batch)
   std::vector<struct mmsghdr> messages_;
   std::vector<struct iovec> iovecs_;
   std::vector<char> controls_;  // one cmsg buffer per message
@@ -67,6 +67,10 @@ class UdpSocket {
   std::vector<char> rx_controls_;
   const Datagram* prepared_ = nullptr;  // batch the receive headers were built for
   int prepared_count_ = 0;
+  bool sparse_ = false;  // the last receive found at most one datagram
+  bool gro_supported_ = false;
+  uint32_t quiet_receives_ = 0;  // lone datagrams in a row while GRO is on
+  void set_gro(bool on);
 };
 
 Result<sockaddr_in> parse_ipv4(const std::string& address, uint16_t port);

@@ -114,6 +114,7 @@ class SoftCq final : public CompletionQueue {
     w.has_imm = c.has_imm;
     w.qp_num = c.qp_number;
     ++count_;
+    queued_.store(count_, std::memory_order_release);
     if (armed_.load(std::memory_order_relaxed)) signal();
   }
 
@@ -131,12 +132,14 @@ class SoftCq final : public CompletionQueue {
       head_ = (head_ + 1) % ring_.size();
       --count_;
     }
+    queued_.store(count_, std::memory_order_release);
     return n;
   }
   std::shared_ptr<SoftContext> context_;
   std::mutex mutex_;
   std::vector<WorkCompletion> ring_;
   size_t head_ = 0, count_ = 0;
+  std::atomic<size_t> queued_{0};  // count_, readable without the lock (poll's fast path)
   uint64_t overflows_ = 0;
   std::atomic<bool> armed_{false};
   int event_fd_ = -1;
@@ -593,9 +596,11 @@ SoftCq::SoftCq(std::shared_ptr<SoftContext> context, uint32_t entries)
     : context_(std::move(context)), ring_(entries), event_fd_(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) {}
 
 int SoftCq::poll(std::span<WorkCompletion> out) {
-  if (int n = take(out); n > 0) return n;
+  if (queued_.load(std::memory_order_acquire) > 0) {
+    if (int n = take(out); n > 0) return n;
+  }
   context_->progress();
-  return take(out);
+  return queued_.load(std::memory_order_acquire) > 0 ? take(out) : 0;
 }
 
 Result<int> SoftCq::wait(std::span<WorkCompletion> out, std::chrono::nanoseconds timeout) {
