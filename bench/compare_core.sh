@@ -2,10 +2,13 @@
 # Side-by-side figures for the core issue, one invocation, same machine:
 # 8-byte one-way latency (stellar_pingpong vs sockperf busy-poll UDP vs UCX
 # over TCP) and 1 MiB write bandwidth (stellar_write_bw vs UCX over TCP), plus
-# goodput under 1% injected loss. Prints medians and ratios.
-# Usage: bench/compare_core.sh BUILD_DIR
+# goodput under 1% injected loss. Each figure is the median of ROUNDS runs
+# (default 3), the peers and Stellar alternating, so that drift on a shared
+# machine hits both sides. Prints medians and ratios.
+# Usage: bench/compare_core.sh BUILD_DIR [ROUNDS]
 set -euo pipefail
 build=${1:-build}
+rounds=${2:-3}
 pp=$build/examples/stellar_pingpong
 bw=$build/bench/stellar_write_bw
 port=$((30000 + RANDOM % 10000))
@@ -45,14 +48,25 @@ stellar_bw() {  # mode drop -> GB/s
   wait $s
 }
 
-echo "# 1/8 sockperf ping-pong (UDP, busy-poll)";  sock=$(sockperf_lat)
-echo "# 2/8 UCX tag_lat over TCP";                ucxl=$(ucx_lat)
-echo "# 3/8 stellar_pingpong stellar mode";       sl=$(stellar_lat stellar)
-echo "# 4/8 stellar_pingpong roce mode";          rl=$(stellar_lat roce)
-echo "# 5/8 UCX tag_bw 1 MiB over TCP";           ucxb=$(ucx_bw)
-echo "# 6/8 stellar_write_bw 1 MiB stellar";      sb=$(stellar_bw stellar 0)
-echo "# 7/8 stellar_write_bw 1 MiB stellar, 1% loss"; sbl=$(stellar_bw stellar 0.01)
-echo "# 8/8 stellar_write_bw 1 MiB roce / roce 1% loss"; rb=$(stellar_bw roce 0); rbl=$(stellar_bw roce 0.01)
+median() { sort -g | awk '{v[NR] = $1} END {print v[int((NR + 1) / 2)]}'; }
+declare -A runs
+cases=(sock ucxl sl rl ucxb sb sbl rb rbl)
+total=$((rounds * ${#cases[@]})); done_cases=0; started=$(date +%s)
+measure() {
+  case $1 in
+    sock) sockperf_lat ;; ucxl) ucx_lat ;; sl) stellar_lat stellar ;; rl) stellar_lat roce ;;
+    ucxb) ucx_bw ;; sb) stellar_bw stellar 0 ;; sbl) stellar_bw stellar 0.01 ;; rb) stellar_bw roce 0 ;; rbl) stellar_bw roce 0.01 ;;
+  esac
+}
+for ((r = 1; r <= rounds; r++)); do
+  for c in "${cases[@]}"; do
+    done_cases=$((done_cases + 1))
+    elapsed=$(($(date +%s) - started))
+    echo "# case $done_cases/$total: $c (round $r), about $((elapsed * (total - done_cases + 1) / done_cases))s left" >&2
+    runs[$c]+="$(measure "$c") "
+  done
+done
+for c in "${cases[@]}"; do declare "$c=$(echo ${runs[$c]} | tr ' ' '\n' | median)"; done
 
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "n/a" }'; }
 ucxb_gbs=$(awk -v m="$ucxb" 'BEGIN { printf "%.3f", m * 1048576 / 1e9 }')  # ucx_perftest reports MB/s with MB = 2^20
