@@ -172,6 +172,7 @@ struct QpEngine::State {
   std::vector<uint32_t> lost;     // stellar: PSNs to retransmit, ring
   uint32_t lost_head = 0, lost_count = 0;
   uint32_t inflight_packets = 0;
+  uint32_t outstanding_rd_atomic = 0;  // READ/atomic WQEs sent and not completed
   uint64_t rto_deadline = never;
   uint64_t probe_deadline = never;
   uint64_t rto = 0;
@@ -210,7 +211,6 @@ struct QpEngine::State {
   uint32_t roce_receive_sequence = 0;
   uint64_t roce_write_address = 0;
   uint32_t roce_write_rkey = 0, roce_write_length = 0, roce_write_offset = 0;
-  uint8_t* roce_write_base = nullptr;
 
   State(const EngineConfig& c, MemoryAccess& m, CompletionSink& s) : config(c), memory(m), sink(s) {
     psn_mask = config.mode == Mode::roce ? 0xffffff : 0xffffffff;
@@ -258,7 +258,9 @@ struct QpEngine::State {
     uint64_t length = 0;
     for (uint32_t i = 0; i < work.segment_count; ++i) length += work.segments[i].length;
     if (length > (1ull << 31)) return PostResult::invalid_argument;
-    if (is_atomic(work.opcode) && (length != 8 || work.remote_addr % 8 != 0)) return PostResult::invalid_argument;
+    if (is_atomic(work.opcode) &&
+        (work.segment_count != 1 || work.segments[0].length != 8 || work.remote_addr % 8 != 0))
+      return PostResult::invalid_argument;
     if (work.inline_data && (length > max_inline_bytes || needs_response(work.opcode)))
       return PostResult::invalid_argument;
     if (sq_count == config.max_send_wr) return PostResult::queue_full;
@@ -405,10 +407,8 @@ struct QpEngine::State {
     detect_losses();
     const uint32_t before = una;
     advance_una();
-    if (una != before || bytes) {
-      rto_deadline = (una == max_sent) ? never : now + rto;
-      arm_probe(now);
-    }
+    if (una != before) rto_deadline = (una == max_sent) ? never : now + rto;
+    if (una != before || bytes) arm_probe(now);
     complete_sends();
   }
 
@@ -417,6 +417,9 @@ struct QpEngine::State {
       slot(una).flags = 0;
       una = add(una, 1);
     }
+    // Keep the scan cursors inside the window so PSN arithmetic stays valid.
+    if (diff(una, acked_upto) > 0) acked_upto = una;
+    if (diff(una, loss_scan) > 0) loss_scan = una;
     if (diff(una, send_psn) > 0) {
       send_psn = una;
       if (send_psn != assign_psn) send_cursor = find_wqe(send_psn);
@@ -427,7 +430,9 @@ struct QpEngine::State {
     while (sq_count > 0 && !error) {
       SendWqe& w = sq[sq_head];
       const uint32_t end = add(w.first_psn, w.packet_count);
-      if (diff(una, end) < 0) break;
+      const uint32_t sent_end = diff(end, max_sent) > 0 ? max_sent : end;
+      if (diff(una, w.failed ? sent_end : end) < 0) break;
+      if (needs_response(w.work.opcode) && outstanding_rd_atomic > 0) --outstanding_rd_atomic;
       if (w.failed) {
         Completion c;
         c.wr_id = w.work.wr_id;
@@ -463,21 +468,15 @@ struct QpEngine::State {
     if (w.failed) return;
     w.failed = true;
     w.status = status;
+    // Only PSNs already sent have slots; the rest of the WQE is never sent
+    // (fatal_psn) and complete_sends finishes it once una reaches max_sent.
     uint64_t rtt = 0, bytes = 0;
-    for (uint32_t p = w.first_psn; diff(p, add(w.first_psn, w.packet_count)) < 0; p = add(p, 1)) {
-      if (diff(p, max_sent) >= 0) {
-        // Never sent: account it as sent and done so una can pass it.
-        slot(p) = Slot{index, 0, 0};
-        max_sent = add(p, 1);
-      }
+    const uint32_t end = add(w.first_psn, w.packet_count);
+    for (uint32_t p = diff(una, w.first_psn) > 0 ? una : w.first_psn; diff(p, end) < 0 && diff(p, max_sent) < 0; p = add(p, 1))
       mark_done(p, 0, rtt, bytes);
-    }
     if (!fatal || diff(w.first_psn, fatal_psn) < 0) {
       fatal = true;
       fatal_psn = w.first_psn;
-    }
-    if (diff(send_psn, add(w.first_psn, w.packet_count)) < 0 && diff(send_psn, w.first_psn) >= 0) {
-      send_psn = add(w.first_psn, w.packet_count);
     }
     advance_una();
     complete_sends();
@@ -570,11 +569,13 @@ struct QpEngine::State {
     if (syndrome::is_rnr(h.syndrome)) {
       ++counters.rnr_naks_received;
       after_acknowledgement(now, rtt, bytes);
-      if (config.rnr_retry != 7 && ++consecutive_rnr > config.rnr_retry) {
-        fail_head(CompletionStatus::rnr_retry_exceeded);
+      // Every packet of a message may draw an RNR NAK: count one retry per wait period.
+      const bool new_period = now >= rnr_until;
+      if (new_period && config.rnr_retry != 7 && ++consecutive_rnr > config.rnr_retry) {
+        fail_at(h.psn, CompletionStatus::rnr_retry_exceeded);
         return;
       }
-      rnr_until = now + config.rnr_delay_ns;
+      if (new_period) rnr_until = now + config.rnr_delay_ns;
       if (!outstanding(h.psn)) return;
       if (config.mode == Mode::roce) {
         rewind(h.psn, now);
@@ -768,6 +769,23 @@ struct QpEngine::State {
     }
   }
 
+  // Whether the in-order loop of transmit_requests could send now, ignoring
+  // congestion control (next_wakeup_ns asks it separately).
+  bool in_order_ready() const {
+    if (send_psn == assign_psn || error) return false;
+    if (fatal && diff(send_psn, fatal_psn) >= 0) return false;
+    uint32_t index = send_cursor;
+    if (diff(send_psn, sq[index].first_psn) < 0 || diff(send_psn, add(sq[index].first_psn, sq[index].packet_count)) >= 0)
+      index = find_wqe(send_psn);
+    const SendWqe& w = sq[index];
+    const uint32_t needed = w.work.opcode == WorkOpcode::rdma_read ? uint32_t(diff(add(w.first_psn, w.packet_count), send_psn)) : 1;
+    if (uint32_t(diff(send_psn, una)) + needed > config.window_packets - 64) return false;
+    if (needs_response(w.work.opcode) && send_psn == w.first_psn && diff(send_psn, max_sent) >= 0 &&
+        outstanding_rd_atomic >= config.max_rd_atomic)
+      return false;
+    return true;
+  }
+
   size_t transmit_requests(TxBuffer* buffers, size_t count, uint64_t now) {
     size_t n = 0;
     // Selective retransmissions first (stellar).
@@ -803,6 +821,8 @@ struct QpEngine::State {
       const uint32_t needed =
           w->work.opcode == WorkOpcode::rdma_read ? uint32_t(diff(add(w->first_psn, w->packet_count), send_psn)) : 1;
       if (uint32_t(diff(send_psn, una)) + needed > config.window_packets - 64) break;
+      const bool first_response_request = needs_response(w->work.opcode) && send_psn == w->first_psn && diff(send_psn, max_sent) >= 0;
+      if (first_response_request && outstanding_rd_atomic >= config.max_rd_atomic) break;
       if (w->failed) {
         send_psn = add(w->first_psn, w->packet_count);
         continue;
@@ -814,6 +834,7 @@ struct QpEngine::State {
       record_sent(send_psn, used, send_cursor, now, retransmission);
       cc->on_send(now, buffers[n].length);
       if (retransmission) ++counters.retransmitted_packets;
+      if (first_response_request) ++outstanding_rd_atomic;
       send_psn = add(send_psn, used);
       if (send_psn != assign_psn && diff(send_psn, add(w->first_psn, w->packet_count)) >= 0)
         send_cursor = (send_cursor + 1) % config.max_send_wr;
@@ -1093,23 +1114,30 @@ struct QpEngine::State {
         roce_write_rkey = h.rkey;
         roce_write_length = h.dma_length;
         roce_write_offset = 0;
-        roce_write_base = nullptr;
         if (h.dma_length) {
-          roce_write_base = memory.resolve(h.rkey, h.remote_addr, h.dma_length, access_remote_write);
-          if (!roce_write_base) {
+          if (!memory.resolve(h.rkey, h.remote_addr, h.dma_length, access_remote_write)) {
             ++counters.access_errors;
             nak(h.psn, syndrome::nak_remote_access);
             return Outcome::nak;
           }
         }
       }
-      base = roce_write_base;
       offset = roce_write_offset;
       total = roce_write_length;
       if (offset + h.payload_length > total || (opcode_is_last(op) && offset + h.payload_length != total)) {
         ++counters.invalid_requests;
         nak(h.psn, syndrome::nak_invalid_request);
         return Outcome::nak;
+      }
+      // Resolve again per packet: the region may be deregistered between packets.
+      if (h.payload_length) {
+        uint8_t* at = memory.resolve(roce_write_rkey, roce_write_address + offset, h.payload_length, access_remote_write);
+        if (!at) {
+          ++counters.access_errors;
+          nak(h.psn, syndrome::nak_remote_access);
+          return Outcome::nak;
+        }
+        base = at - offset;
       }
     } else {
       offset = h.message_offset;
@@ -1214,23 +1242,29 @@ struct QpEngine::State {
 
   size_t transmit_responses(TxBuffer* buffers, size_t count) {
     size_t n = 0;
-    while (n < count && control_count > 0) {
-      const Control& c = control[control_head];
-      Header h;
-      h.opcode = c.opcode;
-      h.pkey = config.pkey;
-      h.dest_qpn = config.remote_qpn;
-      h.psn = c.psn;
-      h.syndrome = c.syndrome;
-      h.msn = msn;
-      h.atomic_original = c.atomic_original;
-      buffers[n].piece_count = 0;
-      if (!finish(h, buffers[n])) break;
-      control_head = (control_head + 1) % control.size();
-      --control_count;
-      ++n;
-    }
-    while (n < count && reads_count > 0) {
+    while (n < count && (control_count > 0 || reads_count > 0)) {
+      // Responses leave in PSN order, as a verbs responder sends them: an
+      // atomic ACK must not overtake the data of an earlier READ.
+      const bool control_first =
+          control_count > 0 &&
+          (reads_count == 0 || diff(control[control_head].psn, add(reads[reads_head].psn, reads[reads_head].sent)) < 0);
+      if (control_first) {
+        const Control& c = control[control_head];
+        Header h;
+        h.opcode = c.opcode;
+        h.pkey = config.pkey;
+        h.dest_qpn = config.remote_qpn;
+        h.psn = c.psn;
+        h.syndrome = c.syndrome;
+        h.msn = msn;
+        h.atomic_original = c.atomic_original;
+        buffers[n].piece_count = 0;
+        if (!finish(h, buffers[n])) break;
+        control_head = (control_head + 1) % control.size();
+        --control_count;
+        ++n;
+        continue;
+      }
       ReadResponse& r = reads[reads_head];
       const uint64_t offset = uint64_t(r.sent) * config.mtu;
       const uint32_t length = uint32_t(std::min<uint64_t>(config.mtu, r.length - offset));
@@ -1260,13 +1294,10 @@ struct QpEngine::State {
           --reads_count;
           continue;
         }
-        if (length >= zero_copy_bytes) {
-          buffers[n].pieces[0] = PayloadPiece{source, length};
-          buffers[n].piece_count = 1;
-        } else {
-          std::memcpy(buffers[n].data + at, source, length);
-          buffers[n].piece_count = 0;
-        }
+        // Copied, not referenced: the responder's application may write this
+        // memory at any time, and the checksum must match what goes out.
+        std::memcpy(buffers[n].data + at, source, length);
+        buffers[n].piece_count = 0;
       } else {
         buffers[n].piece_count = 0;
       }
@@ -1320,6 +1351,7 @@ struct QpEngine::State {
     }
     lost_count = 0;
     reads_count = 0;
+    outstanding_rd_atomic = 0;
     rto_deadline = never;
     probe_deadline = never;
     ack_due = never;
@@ -1409,8 +1441,7 @@ uint64_t QpEngine::next_wakeup_ns(uint64_t now_ns) const {
   if (s.control_count || s.reads_count) return now_ns;
   if (s.error) return never;
   uint64_t t = std::min(s.ack_due, s.una != s.max_sent ? std::min(s.rto_deadline, s.probe_deadline) : never);
-  const bool has_requests = s.lost_count > 0 || (s.send_psn != s.assign_psn && !(s.fatal && s.diff(s.send_psn, s.fatal_psn) >= 0));
-  if (has_requests && uint32_t(s.diff(s.send_psn, s.una)) < s.config.window_packets - 64) {
+  if (s.lost_count > 0 || s.in_order_ready()) {
     if (now_ns < s.rnr_until) return std::min(t, s.rnr_until);
     const uint64_t pace = s.cc->next_send_time_ns(now_ns, uint64_t(s.inflight_packets) * s.config.mtu, s.config.mtu);
     t = std::min(t, pace);

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <random>
@@ -67,7 +68,11 @@ struct ChannelFaults {
 class Channel {
  public:
   Channel(ChannelFaults faults, uint64_t seed) : faults_(faults), rng_(seed) {}
+  // Drops datagrams for which it returns true (targeted loss in tests).
+  std::function<bool(const uint8_t*, size_t)> filter;
+
   void send(const uint8_t* data, size_t length, uint64_t now) {
+    if (filter && filter(data, length)) return;
     if (chance(faults_.drop)) return;
     Datagram d{std::vector<uint8_t>(data, data + length), now + faults_.delay_ns + jitter()};
     if (chance(faults_.corrupt) && length > 0) {

@@ -314,11 +314,67 @@ TEST_P(EngineModes, ReceiveTooSmallIsAnError) {
   EXPECT_EQ(p.cq_a.sends[0].status, CompletionStatus::remote_invalid_request);
 }
 
+TEST_P(EngineModes, FailedLargeWriteDoesNotSwallowAnEarlierLostOne) {
+  // A is lost once; B, far larger than the PSN window, is NAKed for its rkey.
+  // A must still be delivered (retransmitted) before it completes.
+  EngineConfig config;
+  config.window_packets = 256;
+  Pair p(GetParam(), {}, 111, config);
+  std::vector<uint8_t> target(4096, 0), big(4 << 20, 1);
+  const uint32_t rkey = p.memory_b.add(target.data(), target.size(), access_remote_write);
+  auto a_bytes = pattern(100, 5);
+  bool dropped = false;
+  p.a_to_b.filter = [&](const uint8_t*, size_t) { return !dropped && (dropped = true); };
+  SendWork a = make_work(WorkOpcode::rdma_write, 1, a_bytes.data(), 100);
+  a.remote_addr = reinterpret_cast<uint64_t>(target.data());
+  a.rkey = rkey;
+  ASSERT_EQ(p.a->post_send(a, p.now), PostResult::ok);
+  SendWork b = make_work(WorkOpcode::rdma_write, 2, big.data(), uint32_t(big.size()));
+  b.remote_addr = reinterpret_cast<uint64_t>(target.data());
+  b.rkey = rkey ^ 0x40;
+  ASSERT_EQ(p.a->post_send(b, p.now), PostResult::ok);
+  ASSERT_TRUE(p.run([&] { return p.cq_a.sends.size() == 2; }));
+  EXPECT_EQ(p.cq_a.sends[0].status, CompletionStatus::success);
+  EXPECT_EQ(p.cq_a.sends[1].status, CompletionStatus::remote_access_error);
+  EXPECT_EQ(0, std::memcmp(target.data(), a_bytes.data(), 100)) << "A completed, so its data must be there";
+}
+
+TEST_P(EngineModes, AtomicAfterLargeReadNeedsNoRetransmission) {
+  // Responses leave in PSN order: the atomic ACK never overtakes READ data.
+  Pair p(GetParam(), {}, 121);
+  auto remote = pattern(400 * 1024, 3);
+  alignas(8) uint64_t word = 5;
+  const uint32_t rkey = p.memory_b.add(remote.data(), remote.size(), access_remote_read);
+  const uint32_t akey = p.memory_b.add(&word, 8, access_remote_atomic);
+  std::vector<uint8_t> local(remote.size());
+  uint64_t original = 0;
+  SendWork read = make_work(WorkOpcode::rdma_read, 1, local.data(), uint32_t(local.size()));
+  read.remote_addr = reinterpret_cast<uint64_t>(remote.data());
+  read.rkey = rkey;
+  SendWork add = make_work(WorkOpcode::atomic_fetch_add, 2, &original, 8);
+  add.remote_addr = reinterpret_cast<uint64_t>(&word);
+  add.rkey = akey;
+  add.compare_add = 1;
+  ASSERT_EQ(p.a->post_send(read, p.now), PostResult::ok);
+  ASSERT_EQ(p.a->post_send(add, p.now), PostResult::ok);
+  ASSERT_TRUE(p.run([&] { return p.cq_a.sends.size() == 2; }));
+  EXPECT_EQ(p.cq_a.sends[0].status, CompletionStatus::success);
+  EXPECT_EQ(p.cq_a.sends[1].status, CompletionStatus::success);
+  EXPECT_EQ(local, remote);
+  EXPECT_EQ(original, 5u);
+  EXPECT_EQ(word, 6u);
+  EXPECT_EQ(p.a->counters().retransmitted_packets, 0u);
+}
+
 TEST_P(EngineModes, PostingMisuseIsRejectedAndChangesNothing) {
   Pair p(GetParam(), {}, 71);
   uint64_t word = 0;
   SendWork bad_atomic = make_work(WorkOpcode::atomic_fetch_add, 1, &word, 4);  // atomics are 8 bytes
   EXPECT_EQ(p.a->post_send(bad_atomic, p.now), PostResult::invalid_argument);
+  SendWork split_atomic = make_work(WorkOpcode::atomic_fetch_add, 1, &word, 4);  // ... in one segment
+  split_atomic.segment_count = 2;
+  split_atomic.segments[1] = Segment{reinterpret_cast<uint8_t*>(&word) + 4, 4};
+  EXPECT_EQ(p.a->post_send(split_atomic, p.now), PostResult::invalid_argument);
   SendWork too_many = make_work(WorkOpcode::send, 2, &word, 8);
   too_many.segment_count = max_segments + 1;
   EXPECT_EQ(p.a->post_send(too_many, p.now), PostResult::invalid_argument);

@@ -270,13 +270,15 @@ class SoftContext final : public Context {
   std::unordered_map<uint64_t, SoftQp*> qps_;  // (pkey << 32 | qpn) -> QP with an engine
   off::EngineCounters retired_{};               // counters of destroyed QPs
 
-  // Sends what `engine` has due now, to `peer`.
-  void flush_engine(off::QpEngine& engine, const sockaddr_in& peer, uint64_t now) {
+  // Sends what `engine` has due now, to `peer`; returns how many datagrams.
+  size_t flush_engine(off::QpEngine& engine, const sockaddr_in& peer, uint64_t now) {
+    size_t total = 0;
     for (;;) {
       const size_t n = engine.transmit(tx_, tx_batch, now);
-      if (n == 0) return;
+      if (n == 0) return total;
       send_datagrams(n, peer);
-      if (n < size_t(tx_batch)) return;
+      total += n;
+      if (n < size_t(tx_batch)) return total;
     }
   }
 
@@ -616,7 +618,13 @@ Result<int> SoftCq::wait(std::span<WorkCompletion> out, std::chrono::nanoseconds
       // Arm the CQ's fd, re-check, then sleep until a datagram, a timer or a completion.
       armed_.store(true);
       if (int n = take(out); n > 0) return n;
-      context_->sleep_until_work(deadline, event_fd_);
+      if (o.progress == ProgressMode::thread) {
+        // The engine thread owns the socket and its wake-up fd: wait on ours only.
+        pollfd p{event_fd_, POLLIN, 0};
+        ::poll(&p, 1, int(std::min<uint64_t>((deadline - now + 999'999) / 1'000'000, 1000)));
+      } else {
+        context_->sleep_until_work(deadline, event_fd_);
+      }
       uint64_t v;
       [[maybe_unused]] ssize_t r = ::read(event_fd_, &v, sizeof v);
     } else if (o.progress == ProgressMode::thread) {
@@ -656,6 +664,7 @@ Result<std::shared_ptr<QueuePair>> SoftPd::create_qp(const QpInitAttributes& att
 
 void SoftContext::send_datagrams(size_t n, const sockaddr_in& peer) {
   int count = 0;
+  bool released_held = false;
   for (size_t i = 0; i < n; ++i) {
     io::Datagram d{tx_[i].data, tx_[i].capacity, tx_[i].length, peer, 0};
     if (tx_[i].piece_count) {
@@ -674,7 +683,7 @@ void SoftContext::send_datagrams(size_t n, const sockaddr_in& peer) {
         ++fault_dropped_;
         continue;
       }
-      if (held_length_ == 0 && uniform() < options_.faults.reorder) {
+      if (held_length_ == 0 && !released_held && uniform() < options_.faults.reorder) {
         held_length_ = uint32_t(off::flatten(tx_[i], held_.data(), held_.size()));  // sent after the next datagram
         held_peer_ = peer;
         ++fault_reordered_;
@@ -688,8 +697,10 @@ void SoftContext::send_datagrams(size_t n, const sockaddr_in& peer) {
         ++fault_duplicated_;
       }
       if (held_length_ && count < tx_batch) {
+        // held_ stays referenced by out_ until the batch is sent: hold nothing else in this batch.
         out_[count++] = io::Datagram{held_.data(), uint32_t(held_.size()), held_length_, held_peer_, 0};
         held_length_ = 0;
+        released_held = true;
       }
     }
     if (count >= tx_batch - 1) {
@@ -727,8 +738,9 @@ bool SoftContext::progress_locked(uint64_t now) {
           break;
         }
         auto it = qps_.find(uint64_t(pkey) << 32 | qpn);
-        if (it == qps_.end()) {
-          ++unknown_qp_;
+        if (it == qps_.end() || it->second->peer().sin_addr.s_addr != rx_[i].peer.sin_addr.s_addr ||
+            it->second->peer().sin_port != rx_[i].peer.sin_port) {
+          ++unknown_qp_;  // no such QP in that tenant, or not from its peer
           continue;
         }
         it->second->engine()->receive(data, length, it->second->rx_addresses(), now);
@@ -738,10 +750,7 @@ bool SoftContext::progress_locked(uint64_t now) {
   }
   for (auto& [key, qp] : qps_) {
     off::QpEngine& e = *qp->engine();
-    if (e.next_wakeup_ns(now) <= now) {
-      flush_engine(e, qp->peer(), now);
-      work = true;
-    }
+    if (e.next_wakeup_ns(now) <= now && flush_engine(e, qp->peer(), now) > 0) work = true;
   }
   if (held_length_) {
     // A datagram held back for reordering goes out now if nothing overtook it.
