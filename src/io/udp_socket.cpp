@@ -124,14 +124,7 @@ int UdpSocket::receive_batch(Datagram* batch, int count) {
   } else {
     n = std::max(0, ::recvmmsg(fd_, rx_messages_.data(), unsigned(count), MSG_DONTWAIT, nullptr));
   }
-  sparse_ = n <= 1 && !sparse_ ? true : n == 0;
-  if (n >= 4) {
-    quiet_receives_ = 0;
-    if (!gro_ && gro_supported_) set_gro(true);
-  } else if (n == 1 && gro_ && ++quiet_receives_ > 4096) {
-    set_gro(false);  // thousands of lone datagrams in a row: latency matters more
-  }
-  if (n <= 0) return 0;
+  uint32_t datagrams = 0;  // GRO may pack many datagrams into one message
   for (int i = 0; i < n; ++i) {
     msghdr& h = rx_messages_[size_t(i)].msg_hdr;
     // A datagram larger than the buffer is truncated: report it as such so
@@ -145,6 +138,14 @@ int UdpSocket::receive_batch(Datagram* batch, int count) {
         batch[i].segment_size = uint32_t(size);
       }
     }
+    datagrams += batch[i].segment_size ? (batch[i].length + batch[i].segment_size - 1) / batch[i].segment_size : 1;
+  }
+  sparse_ = datagrams <= 1 && !sparse_ ? true : datagrams == 0;
+  if (datagrams >= 4) {
+    quiet_receives_ = 0;
+    if (!gro_ && gro_supported_) set_gro(true);
+  } else if (datagrams == 1 && gro_ && ++quiet_receives_ > 4096) {
+    set_gro(false);  // thousands of lone datagrams in a row: latency matters more
   }
   return n;
 }
