@@ -30,6 +30,7 @@ struct SendWqe {
   uint32_t receive_sequence = 0;
   CompletionStatus status = CompletionStatus::success;
   bool failed = false;
+  uint64_t generation = 0;  // MemoryAccess::generation() when the segments were last known valid
 };
 
 struct Slot {
@@ -48,6 +49,7 @@ struct ReceiveWqe {
   bool has_imm = false;
   bool rdma_with_imm = false;
   CompletionStatus status = CompletionStatus::success;
+  uint64_t generation = 0;
 };
 
 struct ReadResponse {
@@ -85,6 +87,21 @@ void gather(const Segment* segments, uint32_t count, uint64_t offset, uint8_t* o
     length -= n;
     offset = 0;
   }
+}
+
+// Whether every keyed segment overlapping [offset, offset + length) is still
+// registered with `access` (a region may be deregistered after posting).
+bool segments_valid(MemoryAccess& memory, const Segment* segments, uint32_t count, uint64_t offset, uint64_t length,
+                    uint32_t access) {
+  for (uint32_t i = 0; i < count; ++i) {
+    const Segment& g = segments[i];
+    const bool overlaps = offset < g.length && length > 0;
+    if (overlaps && g.lkey && !memory.local_valid(g.lkey, g.address, g.length, access)) return false;
+    const uint64_t used = std::min<uint64_t>(offset < g.length ? g.length - offset : 0, length);
+    length -= used;
+    offset = offset >= g.length ? offset - g.length : 0;
+  }
+  return true;
 }
 
 // The pieces of a scatter/gather list covering [offset, offset + length).
@@ -166,7 +183,8 @@ struct QpEngine::State {
   uint32_t max_sent = 0;          // one past the highest PSN ever transmitted
   uint32_t assign_psn = 0;        // next PSN a posted WQE gets
   uint32_t acked_upto = 0;        // cumulative acknowledgements already applied
-  uint32_t highest_done = 0;      // one past the highest PSN done (loss detection)
+  uint32_t highest_done = 0;      // one past the highest WRITE/SEND PSN done (loss detection)
+  uint32_t highest_response_done = 0;  // the same for READ/atomic PSNs (their responses)
   uint32_t loss_scan = 0;
   uint32_t next_receive_sequence = 0;
   std::vector<uint32_t> lost;     // stellar: PSNs to retransmit, ring
@@ -181,6 +199,7 @@ struct QpEngine::State {
   uint32_t consecutive_rnr = 0;
   uint64_t rnr_until = 0;
   bool fatal = false;             // a NAK failed a WQE: send nothing at or after fatal_psn
+  bool local_fault = false;       // build_request found deregistered local memory
   uint32_t fatal_psn = 0;
 
   // ---------------- responder ----------------
@@ -222,6 +241,8 @@ struct QpEngine::State {
     config.max_recv_wr = std::max<uint32_t>(1, config.max_recv_wr);
     config.mtu = std::max<uint32_t>(256, config.mtu);
     config.max_read_responses = std::max<uint32_t>(1, config.max_read_responses);
+    // Bounded by what the responder can hold: early in-order requests and the atomic replay cache.
+    config.max_rd_atomic = std::clamp<uint32_t>(config.max_rd_atomic, 1, std::min(pending_capacity, atomic_replay_capacity));
     sq.resize(config.max_send_wr);
     rq.resize(config.max_recv_wr);
     slots.resize(window);
@@ -232,7 +253,8 @@ struct QpEngine::State {
     CcConfig ccc = config.cc_config;
     ccc.mtu_bytes = config.mtu;
     cc = make_congestion_control(config.cc, ccc);
-    una = send_psn = max_sent = assign_psn = acked_upto = highest_done = loss_scan = config.send_psn & psn_mask;
+    una = send_psn = max_sent = assign_psn = acked_upto = highest_done = highest_response_done = loss_scan =
+        config.send_psn & psn_mask;
     epsn = received_end = config.receive_psn & psn_mask;
     rto = config.rto_initial_ns;
   }
@@ -276,11 +298,12 @@ struct QpEngine::State {
     w.packet_count = packets;
     w.status = CompletionStatus::success;
     w.failed = false;
+    w.generation = memory.generation();
     w.receive_sequence = consumes_receive(work.opcode) ? next_receive_sequence++ : 0;
     if (work.inline_data) {
       gather(work.segments, work.segment_count, 0, w.inline_data, w.length);
       w.work.segment_count = 1;
-      w.work.segments[0] = Segment{w.inline_data, w.length};
+      w.work.segments[0] = Segment{w.inline_data, w.length, 0};
     }
     if (send_psn == assign_psn) send_cursor = index;
     assign_psn = add(assign_psn, packets);
@@ -336,7 +359,10 @@ struct QpEngine::State {
     if (s.flags & slot_in_flight) --inflight_packets;
     s.flags = uint8_t((s.flags | slot_done) & ~(slot_in_flight | slot_lost));
     acked_bytes += config.mtu;
-    if (diff(add(psn, 1), highest_done) > 0) highest_done = add(psn, 1);
+    // READ/atomic responses and ACKs of writes/sends are separate evidence:
+    // a WRITE acknowledged after a READ says nothing about the READ's data.
+    uint32_t& highest = needs_response(sq[s.wqe].work.opcode) ? highest_response_done : highest_done;
+    if (diff(add(psn, 1), highest) > 0) highest = add(psn, 1);
   }
 
   // Applies "every PSN before cum has arrived" from the peer's responder.
@@ -373,14 +399,25 @@ struct QpEngine::State {
 
   void detect_losses() {
     if (config.mode != Mode::stellar) return;
-    if (diff(highest_done, add(una, duplicate_threshold)) <= 0) return;
-    const uint32_t limit = (highest_done - duplicate_threshold) & psn_mask;
+    const uint32_t highest = diff(highest_done, highest_response_done) > 0 ? highest_done : highest_response_done;
+    if (diff(highest, add(una, duplicate_threshold)) <= 0) return;
+    const uint32_t limit = (highest - duplicate_threshold) & psn_mask;
     uint32_t p = diff(loss_scan, una) > 0 ? loss_scan : una;
+    bool undecided = false;  // the scan cursor stops at the first slot that may still be lost later
     for (; diff(p, limit) < 0; p = add(p, 1)) {
       Slot& s = slot(p);
-      if ((s.flags & (slot_sent | slot_done | slot_lost)) == slot_sent) queue_lost(p);
+      if ((s.flags & (slot_sent | slot_done | slot_lost)) != slot_sent) {
+        if (!undecided) loss_scan = add(p, 1);
+        continue;
+      }
+      const uint32_t evidence = needs_response(sq[s.wqe].work.opcode) ? highest_response_done : highest_done;
+      if (diff(evidence, add(p, duplicate_threshold)) > 0) {
+        queue_lost(p);
+        if (!undecided) loss_scan = add(p, 1);
+      } else {
+        undecided = true;
+      }
     }
-    loss_scan = p;
   }
 
   void queue_lost(uint32_t psn) {
@@ -420,6 +457,8 @@ struct QpEngine::State {
     // Keep the scan cursors inside the window so PSN arithmetic stays valid.
     if (diff(una, acked_upto) > 0) acked_upto = una;
     if (diff(una, loss_scan) > 0) loss_scan = una;
+    if (diff(una, highest_done) > 0) highest_done = una;
+    if (diff(una, highest_response_done) > 0) highest_response_done = una;
     if (diff(una, send_psn) > 0) {
       send_psn = una;
       if (send_psn != assign_psn) send_cursor = find_wqe(send_psn);
@@ -463,23 +502,9 @@ struct QpEngine::State {
       ++counters.unexpected_packets;
       return;
     }
-    const uint32_t index = slot(psn).wqe;
-    SendWqe& w = sq[index];
-    if (w.failed) return;
-    w.failed = true;
-    w.status = status;
     // Only PSNs already sent have slots; the rest of the WQE is never sent
     // (fatal_psn) and complete_sends finishes it once una reaches max_sent.
-    uint64_t rtt = 0, bytes = 0;
-    const uint32_t end = add(w.first_psn, w.packet_count);
-    for (uint32_t p = diff(una, w.first_psn) > 0 ? una : w.first_psn; diff(p, end) < 0 && diff(p, max_sent) < 0; p = add(p, 1))
-      mark_done(p, 0, rtt, bytes);
-    if (!fatal || diff(w.first_psn, fatal_psn) < 0) {
-      fatal = true;
-      fatal_psn = w.first_psn;
-    }
-    advance_una();
-    complete_sends();
+    fail_wqe(slot(psn).wqe, status);
   }
 
   uint64_t rto_base() const {
@@ -635,8 +660,16 @@ struct QpEngine::State {
         ++counters.invalid_requests;
         return;
       }
+      if (!local_ok(w, offset, expected, access_local_write)) {
+        fail_at(h.psn, CompletionStatus::local_protection_error);
+        return;
+      }
       scatter(w.work.segments, w.work.segment_count, offset, h.payload, h.payload_length);
     } else {
+      if (!local_ok(w, 0, 8, access_local_write)) {
+        fail_at(h.psn, CompletionStatus::local_protection_error);
+        return;
+      }
       uint64_t original = h.atomic_original;
       std::memcpy(w.work.segments[0].address, &original, 8);
     }
@@ -647,6 +680,34 @@ struct QpEngine::State {
   bool may_send_request(uint64_t now, uint32_t bytes) const {
     if (now < rnr_until) return false;
     return cc->can_send(now, uint64_t(inflight_packets) * config.mtu, bytes);
+  }
+
+  // True if the WQE's local memory for [offset, offset + length) may be used.
+  bool local_ok(SendWqe& w, uint64_t offset, uint64_t length, uint32_t access) {
+    const uint64_t now_generation = memory.generation();
+    if (w.generation == now_generation) return true;
+    if (!segments_valid(memory, w.work.segments, w.work.segment_count, offset, length, access)) return false;
+    w.generation = now_generation;  // still valid: no need to look again until the next deregistration
+    return true;
+  }
+
+  // Fails a WQE before or while it is being sent (a local error): nothing
+  // more of it goes out; it completes with `status` in posting order.
+  void fail_wqe(uint32_t index, CompletionStatus status) {
+    SendWqe& w = sq[index];
+    if (w.failed) return;
+    w.failed = true;
+    w.status = status;
+    uint64_t rtt = 0, bytes = 0;
+    const uint32_t end = add(w.first_psn, w.packet_count);
+    for (uint32_t p = diff(una, w.first_psn) > 0 ? una : w.first_psn; diff(p, end) < 0 && diff(p, max_sent) < 0; p = add(p, 1))
+      mark_done(p, 0, rtt, bytes);
+    if (!fatal || diff(w.first_psn, fatal_psn) < 0) {
+      fatal = true;
+      fatal_psn = w.first_psn;
+    }
+    advance_una();
+    complete_sends();
   }
 
   // Builds the request packet for PSN psn into b. `whole_read`: a READ request
@@ -717,6 +778,10 @@ struct QpEngine::State {
                     uint32_t(diff(add(psn, psns_used), una)) > config.window_packets / 2;
     const size_t at = payload_offset(config.mode, h);
     if (b.capacity < at + payload + max_header_bytes) return 0;
+    if (payload && !local_ok(w, offset, payload, 0)) {
+      local_fault = true;
+      return 0;
+    }
     b.piece_count = 0;
     if (payload >= zero_copy_bytes) {
       b.piece_count = slice(w.work.segments, w.work.segment_count, offset, payload, b.pieces);
@@ -801,8 +866,14 @@ struct QpEngine::State {
       }
       if (!may_send_request(now, config.mtu)) return n;
       uint32_t used = 0;
-      if (!build_request(psn, s.wqe, false, buffers[n], used)) return n;
+      if (!build_request(psn, s.wqe, false, buffers[n], used)) {
+        if (!local_fault) return n;
+        local_fault = false;
+        fail_wqe(s.wqe, CompletionStatus::local_protection_error);
+        continue;
+      }
       record_sent(psn, used, s.wqe, now, true);
+      if (psn == una) rto_deadline = now + rto;  // as TCP: the timer restarts with the head's retransmission
       cc->on_send(now, buffers[n].length);
       ++counters.retransmitted_packets;
       ++counters.fast_retransmits;
@@ -830,7 +901,12 @@ struct QpEngine::State {
       if (!may_send_request(now, config.mtu)) break;
       const bool retransmission = diff(send_psn, max_sent) < 0;
       uint32_t used = 0;
-      if (!build_request(send_psn, send_cursor, true, buffers[n], used)) break;
+      if (!build_request(send_psn, send_cursor, true, buffers[n], used)) {
+        if (!local_fault) break;
+        local_fault = false;
+        fail_wqe(send_cursor, CompletionStatus::local_protection_error);
+        continue;
+      }
       record_sent(send_psn, used, send_cursor, now, retransmission);
       cc->on_send(now, buffers[n].length);
       if (retransmission) ++counters.retransmitted_packets;
@@ -1079,6 +1155,16 @@ struct QpEngine::State {
       // that receive completes with the length error, the rest are flushed.
       enter_error();
       return Outcome::nak;
+    }
+    if (r->generation != memory.generation()) {
+      if (!segments_valid(memory, r->work.segments, r->work.segment_count, offset, h.payload_length, access_local_write)) {
+        // The receive buffer was deregistered: fatal for this side, as in verbs.
+        r->status = CompletionStatus::local_protection_error;
+        nak(h.psn, syndrome::nak_remote_operation);
+        enter_error();
+        return Outcome::nak;
+      }
+      r->generation = memory.generation();
     }
     scatter(r->work.segments, r->work.segment_count, offset, h.payload, h.payload_length);
     if (config.mode == Mode::roce) {
@@ -1385,6 +1471,7 @@ PostResult QpEngine::post_receive(const ReceiveWork& work) {
   ReceiveWqe& r = s.rq[(s.rq_head + s.rq_count) % s.config.max_recv_wr];
   r = ReceiveWqe{};
   r.work = work;
+  r.generation = s.memory.generation();
   for (uint32_t i = 0; i < work.segment_count; ++i) r.capacity += work.segments[i].length;
   ++s.rq_count;
   return PostResult::ok;

@@ -38,7 +38,13 @@ class FakeMemory : public MemoryAccess {
     regions_[key] = Region{reinterpret_cast<uint64_t>(base), length, access};
     return key;
   }
-  void remove(uint32_t key) { regions_.erase(key); }
+  void remove(uint32_t key) {
+    regions_.erase(key);
+    ++generation_;
+  }
+  // Local keys: any registered key is valid locally (the tests use one table).
+  uint64_t generation() const override { return generation_; }
+  bool local_valid(uint32_t lkey, const uint8_t*, uint64_t, uint32_t) override { return regions_.count(lkey) != 0; }
   uint8_t* resolve(uint32_t rkey, uint64_t address, uint64_t length, uint32_t access) override {
     auto it = regions_.find(rkey);
     if (it == regions_.end()) return nullptr;
@@ -51,6 +57,7 @@ class FakeMemory : public MemoryAccess {
  private:
   std::map<uint32_t, Region> regions_;
   uint32_t next_key_ = 0x1234;
+  uint64_t generation_ = 0;
 };
 
 class Collector : public CompletionSink {
@@ -63,6 +70,7 @@ struct ChannelFaults {
   double drop = 0, duplicate = 0, reorder = 0, corrupt = 0;
   uint64_t delay_ns = 2'000;       // one-way base delay
   uint64_t jitter_ns = 0;          // extra uniform delay
+  uint64_t spacing_ns = 0;         // serialisation: datagrams leave at least this far apart
 };
 
 class Channel {
@@ -74,7 +82,9 @@ class Channel {
   void send(const uint8_t* data, size_t length, uint64_t now) {
     if (filter && filter(data, length)) return;
     if (chance(faults_.drop)) return;
-    Datagram d{std::vector<uint8_t>(data, data + length), now + faults_.delay_ns + jitter()};
+    const uint64_t departure = std::max(now, last_departure_ + faults_.spacing_ns);
+    last_departure_ = departure;
+    Datagram d{std::vector<uint8_t>(data, data + length), departure + faults_.delay_ns + jitter()};
     if (chance(faults_.corrupt) && length > 0) {
       std::uniform_int_distribution<size_t> at(0, length - 1);
       d.bytes[at(rng_)] ^= uint8_t(1u << (rng_() % 8));
@@ -108,6 +118,7 @@ class Channel {
   ChannelFaults faults_;
   std::mt19937_64 rng_;
   std::deque<Datagram> queue_;
+  uint64_t last_departure_ = 0;
 };
 
 // Side A and side B of one connection.

@@ -366,6 +366,57 @@ TEST_P(EngineModes, AtomicAfterLargeReadNeedsNoRetransmission) {
   EXPECT_EQ(p.a->counters().retransmitted_packets, 0u);
 }
 
+TEST_P(EngineModes, WriteAfterLargeReadNeedsNoRetransmission) {
+  // The WRITE's acknowledgement can arrive before the READ's data: that is
+  // not evidence that READ responses were lost.
+  Pair p(GetParam(), {}, 131);
+  ChannelFaults paced;
+  paced.spacing_ns = 300;  // the requests arrive together, the responses trickle back as on a real link
+  p.b_to_a.set_faults(paced);
+  auto remote = pattern(400 * 1024, 4);
+  std::vector<uint8_t> target(64, 0);
+  const uint32_t rkey = p.memory_b.add(remote.data(), remote.size(), access_remote_read);
+  const uint32_t wkey = p.memory_b.add(target.data(), target.size(), access_remote_write);
+  std::vector<uint8_t> local(remote.size());
+  uint64_t value = 42;
+  SendWork read = make_work(WorkOpcode::rdma_read, 1, local.data(), uint32_t(local.size()));
+  read.remote_addr = reinterpret_cast<uint64_t>(remote.data());
+  read.rkey = rkey;
+  SendWork write = make_work(WorkOpcode::rdma_write, 2, &value, 8);
+  write.remote_addr = reinterpret_cast<uint64_t>(target.data());
+  write.rkey = wkey;
+  ASSERT_EQ(p.a->post_send(read, p.now), PostResult::ok);
+  ASSERT_EQ(p.a->post_send(write, p.now), PostResult::ok);
+  ASSERT_TRUE(p.run([&] { return p.cq_a.sends.size() == 2; }));
+  EXPECT_EQ(p.cq_a.sends[0].status, CompletionStatus::success);
+  EXPECT_EQ(p.cq_a.sends[1].status, CompletionStatus::success);
+  EXPECT_EQ(local, remote);
+  EXPECT_EQ(p.a->counters().retransmitted_packets, 0u);
+}
+
+TEST_P(EngineModes, DeregisteredSourceFailsInsteadOfSendingFreedMemory) {
+  // The first transmission is lost; before the retransmission the source
+  // region is deregistered. The WRITE must fail locally, not resend whatever
+  // the memory holds now.
+  Pair p(GetParam(), {}, 141);
+  std::vector<uint8_t> target(8192, 0), source = pattern(6000, 9);
+  const uint32_t rkey = p.memory_b.add(target.data(), target.size(), access_remote_write);
+  const uint32_t lkey = p.memory_a.add(source.data(), source.size(), access_local_write);
+  p.a_to_b.filter = [](const uint8_t*, size_t) { return true; };  // the peer hears nothing for now
+  SendWork w = make_work(WorkOpcode::rdma_write, 1, source.data(), 6000);
+  w.segments[0].lkey = lkey;
+  w.remote_addr = reinterpret_cast<uint64_t>(target.data());
+  w.rkey = rkey;
+  ASSERT_EQ(p.a->post_send(w, p.now), PostResult::ok);
+  p.run([] { return false; }, 200'000);
+  p.memory_a.remove(lkey);
+  std::fill(source.begin(), source.end(), 0xdd);  // "freed and reused"
+  p.a_to_b.filter = nullptr;
+  ASSERT_TRUE(p.run([&] { return p.cq_a.sends.size() == 1; }));
+  EXPECT_EQ(p.cq_a.sends[0].status, CompletionStatus::local_protection_error);
+  for (uint8_t v : target) ASSERT_NE(v, 0xdd);
+}
+
 TEST_P(EngineModes, PostingMisuseIsRejectedAndChangesNothing) {
   Pair p(GetParam(), {}, 71);
   uint64_t word = 0;

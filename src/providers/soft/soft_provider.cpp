@@ -87,7 +87,10 @@ struct Tenant {
 class SoftCq final : public CompletionQueue {
  public:
   SoftCq(std::shared_ptr<SoftContext> context, uint32_t entries);
-  ~SoftCq() override { ::close(event_fd_); }
+  ~SoftCq() override {
+    ::close(event_fd_);
+    ::close(wait_fd_);
+  }
   int poll(std::span<WorkCompletion> out) override;
   Result<int> wait(std::span<WorkCompletion> out, std::chrono::nanoseconds timeout) override;
   int fd() const override { return event_fd_; }
@@ -116,6 +119,10 @@ class SoftCq final : public CompletionQueue {
     ++count_;
     queued_.store(count_, std::memory_order_release);
     if (armed_.load(std::memory_order_relaxed)) signal();
+    if (waiting_.load(std::memory_order_relaxed)) {
+      const uint64_t one = 1;
+      [[maybe_unused]] ssize_t r = ::write(wait_fd_, &one, sizeof one);
+    }
   }
 
  private:
@@ -142,7 +149,9 @@ class SoftCq final : public CompletionQueue {
   std::atomic<size_t> queued_{0};  // count_, readable without the lock (poll's fast path)
   uint64_t overflows_ = 0;
   std::atomic<bool> armed_{false};
-  int event_fd_ = -1;
+  int event_fd_ = -1;             // the application's notification fd (fd(), request_notify)
+  std::atomic<bool> waiting_{false};
+  int wait_fd_ = -1;              // wait()'s own wake-up, so it never steals the application's
 };
 
 class SoftQp;
@@ -160,6 +169,10 @@ class SoftContext final : public Context {
   }
 
   Status start() {
+    if (options_.bind_address == "0.0.0.0")
+      return Status(Errc::invalid_argument,
+                    "soft provider: bind a concrete IPv4 address, not 0.0.0.0 (peers send to it, and only datagrams from "
+                    "a QP's peer address are accepted)");
     Status s;
     if (options_.mode == Mode::roce && options_.udp_port == 0) {
       s = socket_.open(options_.bind_address, off::roce_udp_port);
@@ -269,6 +282,7 @@ class SoftContext final : public Context {
   std::map<std::string, Tenant> tenants_;
   std::unordered_map<uint64_t, SoftQp*> qps_;  // (pkey << 32 | qpn) -> QP with an engine
   off::EngineCounters retired_{};               // counters of destroyed QPs
+  uint64_t memory_generation_ = 1;               // bumped by every deregistration
 
   // Sends what `engine` has due now, to `peer`; returns how many datagrams.
   size_t flush_engine(off::QpEngine& engine, const sockaddr_in& peer, uint64_t now) {
@@ -330,6 +344,7 @@ class SoftMr final : public MemoryRegion {
     Tenant& t = c.tenants_.at(pd_->tenant());
     t.by_rkey.erase(e_.rkey);
     t.lkey_to_rkey.erase(e_.lkey);
+    ++c.memory_generation_;  // engines re-check posted local segments before using them
   }
   uint32_t lkey() const override { return e_.lkey; }
   uint32_t rkey() const override { return e_.rkey; }
@@ -546,6 +561,15 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
     return reinterpret_cast<uint8_t*>(address);
   }
   void deliver(const off::Completion& c) override { (c.is_receive() ? recv_cq_ : send_cq_)->push(c); }
+  uint64_t generation() const override { return pd_->context().memory_generation_; }
+  bool local_valid(uint32_t lkey, const uint8_t* address, uint64_t length, uint32_t access) override {
+    const Tenant& t = *tenant_;
+    auto k = t.lkey_to_rkey.find(lkey);
+    if (k == t.lkey_to_rkey.end()) return false;
+    const MrEntry& e = t.by_rkey.at(k->second);
+    const uint64_t a = reinterpret_cast<uint64_t>(address);
+    return e.pd == pd_.get() && (e.access & access) == access && a >= e.addr && length <= e.length && a - e.addr <= e.length - length;
+  }
 
   off::QpEngine* engine() { return engine_.get(); }
   const sockaddr_in& peer() const { return peer_; }
@@ -559,7 +583,7 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
     Tenant& t = *tenant_;
     for (size_t i = 0; i < list.size(); ++i) {
       const Sge& s = list[i];
-      out[i] = off::Segment{reinterpret_cast<uint8_t*>(s.addr), s.length};
+      out[i] = off::Segment{reinterpret_cast<uint8_t*>(s.addr), s.length, inline_data ? 0u : s.lkey};
       if (inline_data || s.length == 0) continue;
       auto k = t.lkey_to_rkey.find(s.lkey);
       if (k == t.lkey_to_rkey.end())
@@ -595,7 +619,10 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
 };
 
 SoftCq::SoftCq(std::shared_ptr<SoftContext> context, uint32_t entries)
-    : context_(std::move(context)), ring_(entries), event_fd_(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) {}
+    : context_(std::move(context)),
+      ring_(entries),
+      event_fd_(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)),
+      wait_fd_(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) {}
 
 int SoftCq::poll(std::span<WorkCompletion> out) {
   if (queued_.load(std::memory_order_acquire) > 0) {
@@ -615,18 +642,22 @@ Result<int> SoftCq::wait(std::span<WorkCompletion> out, std::chrono::nanoseconds
     const uint64_t now = monotonic_ns();
     if (now >= deadline) return Status(Errc::timeout, "no completion within the timeout");
     if (adaptive && now - start >= uint64_t(o.spin_time.count())) {
-      // Arm the CQ's fd, re-check, then sleep until a datagram, a timer or a completion.
-      armed_.store(true);
-      if (int n = take(out); n > 0) return n;
+      // Announce the wait, re-check, then sleep until a datagram, a timer or a completion.
+      waiting_.store(true);
+      if (int n = take(out); n > 0) {
+        waiting_.store(false);
+        return n;
+      }
       if (o.progress == ProgressMode::thread) {
         // The engine thread owns the socket and its wake-up fd: wait on ours only.
-        pollfd p{event_fd_, POLLIN, 0};
+        pollfd p{wait_fd_, POLLIN, 0};
         ::poll(&p, 1, int(std::min<uint64_t>((deadline - now + 999'999) / 1'000'000, 1000)));
       } else {
-        context_->sleep_until_work(deadline, event_fd_);
+        context_->sleep_until_work(deadline, wait_fd_);
       }
+      waiting_.store(false);
       uint64_t v;
-      [[maybe_unused]] ssize_t r = ::read(event_fd_, &v, sizeof v);
+      [[maybe_unused]] ssize_t r = ::read(wait_fd_, &v, sizeof v);
     } else if (o.progress == ProgressMode::thread) {
       std::this_thread::yield();
     }

@@ -68,6 +68,7 @@ const char* to_string(CompletionOpcode);
 struct Segment {
   uint8_t* address = nullptr;
   uint32_t length = 0;
+  uint32_t lkey = 0;  // checked again if memory was deregistered since posting (0: not checked, e.g. inline)
 };
 
 struct SendWork {
@@ -118,6 +119,15 @@ class MemoryAccess {
  public:
   virtual ~MemoryAccess() = default;
   virtual uint8_t* resolve(uint32_t rkey, uint64_t address, uint64_t length, uint32_t access) = 0;
+  // Local keys: a counter that changes whenever a region is deregistered, and
+  // the check itself. The engine re-checks the segments of a posted request
+  // before touching them only when the generation moved since it was posted,
+  // so the common case costs one comparison.
+  virtual uint64_t generation() const { return 0; }
+  virtual bool local_valid(uint32_t lkey, const uint8_t* address, uint64_t length, uint32_t access) {
+    (void)lkey, (void)address, (void)length, (void)access;
+    return true;
+  }
 };
 
 class CompletionSink {
