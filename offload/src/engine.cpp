@@ -134,6 +134,15 @@ void scatter(const Segment* segments, uint32_t count, uint64_t offset, const uin
   }
 }
 
+// SEND and WRITE opcodes share one layout after their FIRST opcode (IBTA):
+// +0 first, +1 middle, +2 last, +3 last with immediate, +4 only, +5 only with immediate.
+uint8_t message_opcode(uint8_t first_opcode, bool first, bool last, bool imm) {
+  if (first && last) return uint8_t(first_opcode + (imm ? 5 : 4));
+  if (first) return first_opcode;
+  if (last) return uint8_t(first_opcode + (imm ? 3 : 2));
+  return uint8_t(first_opcode + 1);
+}
+
 CompletionOpcode completion_opcode(WorkOpcode op) {
   switch (op) {
     case WorkOpcode::send:
@@ -726,28 +735,18 @@ struct QpEngine::State {
     uint32_t payload = 0;
     switch (w.work.opcode) {
       case WorkOpcode::send:
-      case WorkOpcode::send_with_imm: {
-        const bool imm = w.work.opcode == WorkOpcode::send_with_imm;
-        h.opcode = first && last ? (imm ? opcode::send_only_imm : opcode::send_only)
-                   : first       ? opcode::send_first
-                   : last        ? (imm ? opcode::send_last_imm : opcode::send_last)
-                                 : opcode::send_middle;
+      case WorkOpcode::send_with_imm:
+        h.opcode = message_opcode(opcode::send_first, first, last, w.work.opcode == WorkOpcode::send_with_imm);
         payload = uint32_t(std::min<uint64_t>(config.mtu, w.length - offset));
         break;
-      }
       case WorkOpcode::rdma_write:
-      case WorkOpcode::rdma_write_with_imm: {
-        const bool imm = w.work.opcode == WorkOpcode::rdma_write_with_imm;
-        h.opcode = first && last ? (imm ? opcode::write_only_imm : opcode::write_only)
-                   : first       ? opcode::write_first
-                   : last        ? (imm ? opcode::write_last_imm : opcode::write_last)
-                                 : opcode::write_middle;
+      case WorkOpcode::rdma_write_with_imm:
+        h.opcode = message_opcode(opcode::write_first, first, last, w.work.opcode == WorkOpcode::rdma_write_with_imm);
         payload = uint32_t(std::min<uint64_t>(config.mtu, w.length - offset));
         h.remote_addr = w.work.remote_addr;
         h.rkey = w.work.rkey;
         h.dma_length = w.length;
         break;
-      }
       case WorkOpcode::rdma_read: {
         h.opcode = opcode::read_request;
         h.remote_addr = w.work.remote_addr + offset;
