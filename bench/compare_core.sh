@@ -43,8 +43,9 @@ ucx_bw() {  # -> MB/s
 }
 stellar_bw() {  # mode drop -> GB/s
   next_port
-  STELLAR_FAULT_DROP=$2 "$bw" -p $port --mode "$1" -s 1048576 -n 1000 > /dev/null & local s=$!
-  STELLAR_FAULT_DROP=$2 "$bw" 127.0.0.1 -p $port --mode "$1" -s 1048576 -n 1000 | awk '/^# [0-9.]+ GB\/s/ {print $2}'
+  STELLAR_FAULT_DROP=$2 "$bw" -p $port --mode "$1" -s 1048576 -n 1000 -t 16 > /dev/null & local s=$!
+  # perftest columns: #bytes #iterations BW-peak BW-average[MiB/s] MsgRate -> GB/s (1e9)
+  STELLAR_FAULT_DROP=$2 "$bw" 127.0.0.1 -p $port --mode "$1" -s 1048576 -n 1000 -t 16 | awk '$1 == 1048576 {printf "%.3f", $4 * 1048576 / 1e9}'
   wait $s
 }
 
