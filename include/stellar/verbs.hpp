@@ -266,6 +266,12 @@ class Context : public std::enable_shared_from_this<Context> {
 
   // Drives the transport once (inline mode); a no-op with an engine thread.
   virtual void progress() = 0;
+  // Sends now every acknowledgement the transport holds back hoping to
+  // piggy-back it on data (at most ~10 us). With inline progress, call it
+  // before pausing polling for a while, so that the peer's last sends
+  // complete while this side is busy elsewhere. A no-op where hardware or an
+  // engine thread acknowledges.
+  virtual void flush_acknowledgements() = 0;
   // Readable when datagrams wait (inline mode: add it to epoll next to CQ fds).
   virtual int progress_fd() const = 0;
   virtual ContextCounters counters() const = 0;

@@ -1535,6 +1535,10 @@ uint64_t QpEngine::next_wakeup_ns(uint64_t now_ns) const {
   return t;
 }
 
+void QpEngine::acknowledge_now(uint64_t now_ns) {
+  if (s_->ack_due != never) s_->ack_due = std::min(s_->ack_due, now_ns);
+}
+
 void QpEngine::enter_error() { s_->enter_error(); }
 bool QpEngine::in_error() const { return s_->error; }
 uint32_t QpEngine::outstanding_sends() const { return s_->sq_count; }

@@ -5,19 +5,20 @@
 //   connector -> listener  {"type":"ready"}   (the connector's QP is in RTS)
 // The listener's accept() returns after "ready", like RDMA_CM_EVENT_ESTABLISHED,
 // so neither side sends before the other can receive.
-#define ASIO_STANDALONE
-#include <asio.hpp>
-#include <nlohmann/json.hpp>
-
+#include "core/control_channel.hpp"
 #include "core/log.hpp"
 #include "stellar/cm.hpp"
 
 namespace stellar::cm {
 namespace {
 
-using asio::ip::tcp;
-using Clock = std::chrono::steady_clock;
-using json = nlohmann::json;
+using control::Channel;
+using control::Clock;
+using control::endpoint_from;
+using control::endpoint_json;
+using control::json;
+using control::tcp;
+using control::to_rts;
 
 std::string to_hex(const std::vector<uint8_t>& bytes) {
   static const char digits[] = "0123456789abcdef";
@@ -36,91 +37,6 @@ Result<std::vector<uint8_t>> from_hex(const std::string& s) {
     out.push_back(uint8_t(hi << 4 | lo));
   }
   return out;
-}
-
-json endpoint_json(const QpEndpoint& e) {
-  return json{{"address", e.address}, {"udp_port", e.udp_port}, {"qp_num", e.qp_num}, {"psn", e.psn},
-              {"mtu", e.mtu},         {"pkey", e.pkey},         {"mode", to_string(e.mode)}};
-}
-
-Result<QpEndpoint> endpoint_from(const json& j) {
-  try {
-    QpEndpoint e;
-    e.address = j.at("address").get<std::string>();
-    e.udp_port = j.at("udp_port").get<uint16_t>();
-    e.qp_num = j.at("qp_num").get<uint32_t>();
-    e.psn = j.at("psn").get<uint32_t>();
-    e.mtu = j.at("mtu").get<uint32_t>();
-    e.pkey = j.at("pkey").get<uint16_t>();
-    auto mode = parse_mode(j.at("mode").get<std::string>());
-    if (!mode) return mode.status();
-    e.mode = *mode;
-    return e;
-  } catch (const std::exception& ex) {
-    return Status(Errc::protocol_error, std::string("malformed endpoint: ") + ex.what());
-  }
-}
-
-// One TCP stream with deadline-bounded line I/O.
-class Channel {
- public:
-  explicit Channel(asio::io_context& io) : io_(io), socket_(io) {}
-  tcp::socket& socket() { return socket_; }
-
-  Status write_line(const json& j, Clock::time_point deadline) {
-    const std::string line = j.dump() + "\n";
-    asio::error_code ec = asio::error::would_block;
-    asio::async_write(socket_, asio::buffer(line), [&](asio::error_code e, size_t) { ec = e; });
-    return run_until(ec, deadline, "send");
-  }
-
-  Result<json> read_line(Clock::time_point deadline) {
-    asio::error_code ec = asio::error::would_block;
-    asio::async_read_until(socket_, buffer_, '\n', [&](asio::error_code e, size_t) { ec = e; });
-    if (Status s = run_until(ec, deadline, "receive"); !s.ok()) return s;
-    std::istream in(&buffer_);
-    std::string line;
-    std::getline(in, line);
-    json j = json::parse(line, nullptr, false);
-    if (j.is_discarded() || !j.is_object() || !j.contains("type")) return Status(Errc::protocol_error, "malformed connection message");
-    return j;
-  }
-
-  Status run_until(asio::error_code& ec, Clock::time_point deadline, const char* what) {
-    io_.restart();
-    while (ec == asio::error::would_block) {
-      if (Clock::now() >= deadline || io_.run_one_until(deadline) == 0) {
-        if (ec != asio::error::would_block) break;
-        socket_.cancel();
-        io_.restart();
-        io_.run();
-        return Status(Errc::timeout, std::string("connection manager: timed out during ") + what);
-      }
-    }
-    if (ec) return Status(Errc::io_error, std::string("connection manager ") + what + ": " + ec.message());
-    return {};
-  }
-
- private:
-  asio::io_context& io_;
-  tcp::socket socket_;
-  asio::streambuf buffer_;
-};
-
-Status to_rts(QueuePair& qp, const QpEndpoint& remote, const QpTiming& timing) {
-  if (qp.state() == QpState::reset) {
-    QpModify init;
-    init.state = QpState::init;
-    if (Status s = qp.modify(init); !s.ok()) return s;
-  }
-  QpModify rtr;
-  rtr.state = QpState::rtr;
-  rtr.remote = remote;
-  rtr.timing = timing;
-  if (Status s = qp.modify(rtr); !s.ok()) return s;
-  QpModify rts;
-  rts.state = QpState::rts;
-  return qp.modify(rts);
 }
 
 class Request final : public ConnectionRequest {
@@ -233,21 +149,7 @@ Result<Connected> connect(const std::string& address, uint16_t port, QueuePair& 
   const auto deadline = Clock::now() + options.timeout;
   asio::io_context io;
   Channel channel(io);
-  asio::error_code bad;
-  const auto ip = asio::ip::make_address(address, bad);
-  if (bad) return Status(Errc::invalid_argument, "connect: bad address '" + address + "'");
-  // Retry refused connections until the deadline: the server may still be starting.
-  for (;;) {
-    asio::error_code ec = asio::error::would_block;
-    channel.socket().async_connect(tcp::endpoint(ip, port), [&](asio::error_code e) { ec = e; });
-    Status s = channel.run_until(ec, deadline, "connect");
-    if (s.ok()) break;
-    if (s.code() == Errc::timeout) return Status(Errc::connection_refused, "connect to " + address + ":" + std::to_string(port) + ": no listener within the timeout");
-    asio::error_code ignore;
-    channel.socket().close(ignore);
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    if (Clock::now() >= deadline) return Status(Errc::connection_refused, "connect to " + address + ":" + std::to_string(port) + ": " + s.message());
-  }
+  if (Status s = control::connect_with_retry(channel, address, port, deadline); !s.ok()) return s;
   json hello = endpoint_json(qp.local_endpoint());
   hello["type"] = "connect";
   hello["private_data"] = to_hex(options.private_data);

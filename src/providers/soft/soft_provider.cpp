@@ -244,6 +244,7 @@ class SoftContext final : public Context {
     std::lock_guard lock(mutex_);
     progress_locked(monotonic_ns());
   }
+  void flush_acknowledgements() override;
   int progress_fd() const override { return socket_.fd(); }
   ContextCounters counters() const override;
   const ContextOptions& options() const override { return options_; }
@@ -264,8 +265,11 @@ class SoftContext final : public Context {
     const uint64_t until = std::min(limit_ns, wake);
     if (until <= now) return;
     pollfd fds[3] = {{socket_.fd(), POLLIN, 0}, {kick_fd_, POLLIN, 0}, {extra_fd, POLLIN, 0}};
-    const int timeout_ms = int(std::min<uint64_t>((until - now + 999'999) / 1'000'000, 1000));
-    ::poll(fds, extra_fd >= 0 ? 3 : 2, timeout_ms);
+    // ppoll, not poll: engine timers (a delayed ACK is due 10 us out) need
+    // better than poll's whole milliseconds, or every such ACK waits 1 ms.
+    const uint64_t sleep_ns = std::min<uint64_t>(until - now, 1'000'000'000);
+    const timespec timeout{time_t(sleep_ns / 1'000'000'000), long(sleep_ns % 1'000'000'000)};
+    ::ppoll(fds, extra_fd >= 0 ? 3 : 2, &timeout, nullptr);
     if (fds[1].revents & POLLIN) {
       uint64_t v;
       [[maybe_unused]] ssize_t r = ::read(kick_fd_, &v, sizeof v);
@@ -793,6 +797,15 @@ bool SoftContext::progress_locked(uint64_t now) {
   return work;
 }
 
+void SoftContext::flush_acknowledgements() {
+  std::lock_guard lock(mutex_);
+  const uint64_t now = monotonic_ns();
+  for (auto& [key, qp] : qps_) {
+    qp->engine()->acknowledge_now(now);
+    flush_engine(*qp->engine(), qp->peer(), now);
+  }
+}
+
 uint64_t SoftContext::next_wakeup_locked(uint64_t now) {
   uint64_t t = UINT64_MAX;
   for (auto& [key, qp] : qps_) t = std::min(t, qp->engine()->next_wakeup_ns(now));
@@ -811,8 +824,17 @@ void SoftContext::engine_thread() {
     if (work) {
       idle_since = now;
     } else if (options_.wait == WaitPolicy::adaptive && now - idle_since >= uint64_t(options_.spin_time.count())) {
-      sleep_until_work(now + 10'000'000, -1);
-      idle_since = monotonic_ns();
+      uint64_t next;
+      {
+        std::lock_guard lock(mutex_);
+        next = next_wakeup_locked(now);
+      }
+      // A timer due within the spin time is cheaper to spin for than to sleep
+      // for (the kernel's timer slack alone is 50 us).
+      if (next > now + uint64_t(options_.spin_time.count())) {
+        sleep_until_work(now + 10'000'000, -1);
+        idle_since = monotonic_ns();
+      }
     }
   }
 }

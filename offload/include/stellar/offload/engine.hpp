@@ -223,6 +223,11 @@ class QpEngine {
   // UINT64_MAX when idle. now_ns or earlier means "call transmit now".
   uint64_t next_wakeup_ns(uint64_t now_ns) const;
 
+  // Makes an acknowledgement held back for piggy-backing due now (the next
+  // transmit() sends it). For hosts that are about to stop driving the engine
+  // for a while, so that the peer's sends still complete.
+  void acknowledge_now(uint64_t now_ns);
+
   // Moves to the error state: everything posted completes with
   // work_request_flushed (verbs semantics of a QP in ERROR).
   void enter_error();

@@ -1,0 +1,120 @@
+// Collectives over Stellar: a communicator of N ranks (processes) with
+// allreduce, reduce-scatter, allgather, broadcast and barrier, in the shape
+// of NCCL's and Gloo's APIs. Library target: Stellar::stellar_coll.
+//
+// Transport: one RC queue pair per pair of ranks on the soft (or verbs)
+// provider. Data moves with RDMA WRITE_WITH_IMM into registered landing
+// buffers of the receiver (credit-based flow control, as NCCL's InfiniBand
+// transport does); the immediate value names the call, so a rank that calls
+// a different operation, count, type, reduction or root gets an error
+// instead of corrupt data.
+//
+// Bootstrap: rank 0 serves a small TCP rendezvous (Asio) at
+// master_address:master_port; every rank sends it its queue-pair endpoints
+// and landing buffers and gets back the whole table.
+//
+// Units: counts are in elements of the given DataType, never bytes; buffers
+// are plain host pointers owned by the caller and must stay valid for the
+// call. A call returns when this rank's part is done and its buffers may be
+// reused.
+//
+// Thread-safety: a Communicator is used by one thread at a time (like an
+// NCCL communicator on one stream); different communicators are independent.
+//
+// Errors: a dead or hung rank makes every call fail with Errc::timeout or
+// Errc::io_error within `timeout` (measured as time without any progress);
+// mismatched calls fail with Errc::protocol_error. After an error the
+// communicator is broken: every later call fails at once with the first
+// error; destroy it and create a new one.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "stellar/status.hpp"
+#include "stellar/verbs.hpp"
+
+namespace stellar::coll {
+
+enum class DataType { float32, float16, bfloat16, float64, int32, int64 };
+enum class ReduceOp { sum, prod, min, max, avg };  // avg: sum / number of ranks (integer division for integers)
+
+size_t size_of(DataType);
+const char* to_string(DataType);  // "float", "half", "bfloat16", "double", "int32", "int64" (nccl-tests names)
+const char* to_string(ReduceOp);  // "sum", "prod", "min", "max", "avg"
+// Accepts the names above and the aliases nccl-tests and PyTorch use
+// ("float32", "fp16", "bf16", "float64", "int", ...).
+Result<DataType> parse_data_type(const std::string&);
+Result<ReduceOp> parse_reduce_op(const std::string&);
+
+enum class AllreduceAlgorithm {
+  automatic,           // recursive doubling up to small_message_bytes, ring above
+  ring,                // reduce-scatter then allgather around a ring, chunked and pipelined
+  recursive_doubling,  // log2(N) exchanges of the whole vector (latency-optimised)
+};
+
+struct CommunicatorOptions {
+  int rank = -1;
+  int world_size = -1;
+  std::string master_address = "127.0.0.1";  // where rank 0 serves the rendezvous
+  uint16_t master_port = 29500;
+  // Local IPv4 address for this rank's transport socket; "" picks the local
+  // address that routes to master_address.
+  std::string local_address;
+  ContextOptions context{};  // provider, mode, progress, faults; bind_address is set from local_address
+  // A call fails when it makes no progress for this long (a rank died or
+  // hangs); bootstrap fails when not all ranks arrive within it.
+  std::chrono::milliseconds timeout{30'000};
+  AllreduceAlgorithm allreduce_algorithm = AllreduceAlgorithm::automatic;
+  size_t small_message_bytes = 64 * 1024;  // automatic: recursive doubling at or below this size
+  size_t chunk_bytes = 512 * 1024;         // pipelining unit and landing-slot size (multiple of 4 KiB)
+  uint32_t slots = 4;                      // landing slots per peer = messages in flight per peer
+
+  // Reads the launcher's environment on top of `base`: torchrun's RANK,
+  // WORLD_SIZE, MASTER_ADDR, MASTER_PORT; mpirun's OMPI_COMM_WORLD_RANK and
+  // OMPI_COMM_WORLD_SIZE (with MASTER_ADDR/MASTER_PORT, or their defaults
+  // above); and STELLAR_COLL_TIMEOUT_MS. Fails with invalid_argument when no
+  // rank/size is found or the values are out of range.
+  static Result<CommunicatorOptions> from_environment(const CommunicatorOptions& base);
+  static Result<CommunicatorOptions> from_environment();  // on top of the defaults
+};
+
+struct CommunicatorCounters {
+  uint64_t calls = 0;
+  uint64_t bytes_sent = 0;      // payload bytes this rank wrote to peers
+  uint64_t messages_sent = 0;   // data messages (credits not counted)
+  ContextCounters transport{};  // the provider's counters (drops, retransmissions, ...)
+};
+
+class Communicator {
+ public:
+  // Bootstraps: opens a context, connects one QP to every other rank through
+  // the rendezvous and waits until all ranks are connected. Blocks up to
+  // options.timeout.
+  static Result<std::unique_ptr<Communicator>> create(const CommunicatorOptions&);
+  virtual ~Communicator() = default;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+
+  // recv[i] = op over ranks of send[i], for i < count. send == recv is in-place.
+  virtual Status allreduce(const void* send, void* recv, size_t count, DataType, ReduceOp) = 0;
+  // send holds size() * recv_count elements; rank r receives the reduction of
+  // block r. In-place when send == recv (the result is then block r of it,
+  // written at the start of recv, as MPI_Reduce_scatter_block).
+  virtual Status reduce_scatter(const void* send, void* recv, size_t recv_count, DataType, ReduceOp) = 0;
+  // recv holds size() * send_count elements; block r comes from rank r.
+  // In-place when send == recv + rank() * send_count elements.
+  virtual Status allgather(const void* send, void* recv, size_t send_count, DataType) = 0;
+  // buffer's count elements of rank `root` are copied to every rank's buffer.
+  virtual Status broadcast(void* buffer, size_t count, DataType, int root) = 0;
+  // Returns once every rank has entered the barrier.
+  virtual Status barrier() = 0;
+
+  virtual CommunicatorCounters counters() const = 0;
+};
+
+}  // namespace stellar::coll

@@ -1,0 +1,1048 @@
+// The communicator: bootstrap through rank 0's TCP rendezvous, one RC QP per
+// peer, credit-based RDMA WRITE_WITH_IMM channels, and the algorithms (ring,
+// recursive doubling, pipelined chain broadcast) on top of them.
+//
+// Channel protocol, per ordered pair of ranks (sender -> receiver):
+//   - the receiver owns `slots` landing slots of chunk_bytes for the sender,
+//     registered for remote write and advertised at bootstrap;
+//   - the sender writes message m into slot m % slots with WRITE_WITH_IMM;
+//     the immediate is [0][15-bit call tag][16-bit message index], and the
+//     completion's byte count is the message length;
+//   - after consuming a slot the receiver returns a credit: a zero-length
+//     WRITE_WITH_IMM with immediate `credit`. The sender never has more than
+//     `slots` messages unconsumed, so a slot is never overwritten early.
+// RC delivers a pair's messages in order, so messages of the next call that
+// arrive early simply queue behind the current call's.
+//
+// Progress: the context's own choice (inline polling by default, the lowest
+// latency). A call returns only after every message it wrote is acknowledged
+// (a retransmission would read the caller's buffers again), and it flushes
+// the acknowledgements this rank holds back, so that peers finish their calls
+// while this rank computes without polling. Credits need no such wait: an
+// unacknowledged credit is retransmitted when both sides poll again, and the
+// QPs' retry budget covers the longest gap the timeout allows.
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <vector>
+
+#include "coll/reduce.hpp"
+#include "core/control_channel.hpp"
+#include "core/log.hpp"
+#include "stellar/coll.hpp"
+
+namespace stellar::coll {
+
+using control::Channel;
+using control::Clock;
+using control::json;
+using control::tcp;
+
+size_t size_of(DataType t) {
+  switch (t) {
+    case DataType::float16:
+    case DataType::bfloat16: return 2;
+    case DataType::float32:
+    case DataType::int32: return 4;
+    case DataType::float64:
+    case DataType::int64: return 8;
+  }
+  return 0;
+}
+
+const char* to_string(DataType t) {
+  switch (t) {
+    case DataType::float32: return "float";
+    case DataType::float16: return "half";
+    case DataType::bfloat16: return "bfloat16";
+    case DataType::float64: return "double";
+    case DataType::int32: return "int32";
+    case DataType::int64: return "int64";
+  }
+  return "?";
+}
+
+const char* to_string(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum: return "sum";
+    case ReduceOp::prod: return "prod";
+    case ReduceOp::min: return "min";
+    case ReduceOp::max: return "max";
+    case ReduceOp::avg: return "avg";
+  }
+  return "?";
+}
+
+Result<DataType> parse_data_type(const std::string& name) {
+  static const std::pair<const char*, DataType> names[] = {
+      {"float", DataType::float32},   {"float32", DataType::float32}, {"f32", DataType::float32},
+      {"half", DataType::float16},    {"float16", DataType::float16}, {"fp16", DataType::float16},
+      {"bfloat16", DataType::bfloat16}, {"bf16", DataType::bfloat16},
+      {"double", DataType::float64},  {"float64", DataType::float64}, {"f64", DataType::float64},
+      {"int32", DataType::int32},     {"int", DataType::int32},       {"int64", DataType::int64},
+      {"long", DataType::int64}};
+  for (const auto& [n, t] : names)
+    if (name == n) return t;
+  return Status(Errc::invalid_argument, "unknown data type '" + name + "' (float, half, bfloat16, double, int32, int64)");
+}
+
+Result<ReduceOp> parse_reduce_op(const std::string& name) {
+  for (ReduceOp op : {ReduceOp::sum, ReduceOp::prod, ReduceOp::min, ReduceOp::max, ReduceOp::avg})
+    if (name == to_string(op)) return op;
+  return Status(Errc::invalid_argument, "unknown reduction '" + name + "' (sum, prod, min, max, avg)");
+}
+
+namespace {
+
+Result<long> parse_integer(const char* variable, const char* text, long min, long max) {
+  char* end = nullptr;
+  errno = 0;
+  const long v = std::strtol(text, &end, 10);
+  if (errno || end == text || *end != '\0' || v < min || v > max)
+    return Status(Errc::invalid_argument, std::string(variable) + "='" + text + "' is not an integer in [" + std::to_string(min) + ", " +
+                                              std::to_string(max) + "]");
+  return v;
+}
+
+}  // namespace
+
+Result<CommunicatorOptions> CommunicatorOptions::from_environment() { return from_environment(CommunicatorOptions{}); }
+
+Result<CommunicatorOptions> CommunicatorOptions::from_environment(const CommunicatorOptions& base) {
+  CommunicatorOptions o = base;
+  const char* rank = std::getenv("RANK");
+  const char* size = std::getenv("WORLD_SIZE");
+  const char* rank_name = "RANK";
+  const char* size_name = "WORLD_SIZE";
+  if (!rank || !size) {
+    rank = std::getenv("OMPI_COMM_WORLD_RANK");
+    size = std::getenv("OMPI_COMM_WORLD_SIZE");
+    rank_name = "OMPI_COMM_WORLD_RANK";
+    size_name = "OMPI_COMM_WORLD_SIZE";
+  }
+  if (rank && size) {
+    auto s = parse_integer(size_name, size, 1, 65536);
+    if (!s) return s.status();
+    auto r = parse_integer(rank_name, rank, 0, *s - 1);
+    if (!r) return r.status();
+    o.rank = int(*r);
+    o.world_size = int(*s);
+  } else if (o.rank < 0 || o.world_size < 1) {
+    return Status(Errc::invalid_argument,
+                  "no rank in the environment: set RANK and WORLD_SIZE (torchrun style) or run under mpirun (OMPI_COMM_WORLD_RANK/SIZE)");
+  }
+  if (const char* a = std::getenv("MASTER_ADDR"); a && *a) o.master_address = a;
+  if (const char* p = std::getenv("MASTER_PORT"); p && *p) {
+    auto v = parse_integer("MASTER_PORT", p, 1, 65535);
+    if (!v) return v.status();
+    o.master_port = uint16_t(*v);
+  }
+  if (const char* t = std::getenv("STELLAR_COLL_TIMEOUT_MS"); t && *t) {
+    auto v = parse_integer("STELLAR_COLL_TIMEOUT_MS", t, 1, 86'400'000);
+    if (!v) return v.status();
+    o.timeout = std::chrono::milliseconds(*v);
+  }
+  return o;
+}
+
+namespace {
+
+constexpr uint32_t control_bit = 0x80000000u;
+constexpr uint32_t credit_imm = control_bit | 1;
+constexpr uint32_t abort_imm = control_bit | 2;
+constexpr uint32_t bye_imm = control_bit | 3;
+
+enum class CallKind : uint32_t { allreduce = 1, reduce_scatter, allgather, broadcast, barrier };
+
+const char* to_string(CallKind k) {
+  switch (k) {
+    case CallKind::allreduce: return "allreduce";
+    case CallKind::reduce_scatter: return "reduce_scatter";
+    case CallKind::allgather: return "allgather";
+    case CallKind::broadcast: return "broadcast";
+    case CallKind::barrier: return "barrier";
+  }
+  return "?";
+}
+
+struct Arrival {
+  uint32_t imm;
+  uint32_t length;
+};
+
+struct Peer {
+  int rank = -1;
+  std::shared_ptr<QueuePair> qp;
+  uint8_t* landing = nullptr;  // our slots for this peer's messages
+  uint64_t remote_landing = 0;  // the peer's slots for ours
+  uint32_t remote_rkey = 0;
+  uint64_t data_posted = 0;      // messages written to the peer
+  uint64_t credits = 0;          // slots the peer has freed
+  uint64_t sends_posted = 0;     // every send (data and credits), completing in order
+  uint64_t sends_completed = 0;
+  uint64_t last_data_send = 0;   // sends_posted value of the latest data message
+  uint64_t data_consumed = 0;    // the peer's messages we have consumed
+  std::deque<Arrival> arrivals;  // the peer's messages not yet consumed
+  bool said_bye = false;
+  uint32_t call_sent = 0, call_received = 0;  // message indices within the current call
+};
+
+// Rendezvous messages: newline-delimited JSON objects (control_channel.hpp).
+json hello_json(int rank, int world, const CommunicatorOptions& o, const std::vector<Peer>& peers) {
+  json endpoints = json::array(), landing = json::array();
+  for (const Peer& p : peers) {
+    if (p.rank < 0) {
+      endpoints.push_back(nullptr);
+      landing.push_back(nullptr);
+      continue;
+    }
+    endpoints.push_back(control::endpoint_json(p.qp->local_endpoint()));
+    landing.push_back(json{{"addr", reinterpret_cast<uint64_t>(p.landing)}});
+  }
+  return json{{"type", "hello"},          {"version", 1},           {"rank", rank},
+              {"world_size", world},      {"mode", to_string(o.context.mode)},
+              {"slots", o.slots},         {"chunk_bytes", o.chunk_bytes},
+              {"endpoints", endpoints},   {"landing", landing}};
+}
+
+Result<asio::ip::address> resolve(const std::string& host) {
+  asio::error_code ec;
+  auto ip = asio::ip::make_address(host, ec);
+  if (!ec) return ip;
+  asio::io_context io;
+  tcp::resolver resolver(io);
+  auto results = resolver.resolve(tcp::v4(), host, "", ec);
+  if (ec || results.empty()) return Status(Errc::invalid_argument, "cannot resolve master address '" + host + "': " + ec.message());
+  return results.begin()->endpoint().address();
+}
+
+// The local IPv4 address the kernel would use to reach `to` (no packet is sent).
+Result<std::string> local_address_towards(const asio::ip::address& to, uint16_t port) {
+  asio::io_context io;
+  asio::ip::udp::socket s(io);
+  asio::error_code ec;
+  s.open(asio::ip::udp::v4(), ec);
+  if (!ec) s.connect(asio::ip::udp::endpoint(to, port), ec);
+  if (ec) return Status(Errc::io_error, "no route to master " + to.to_string() + ": " + ec.message());
+  return s.local_endpoint().address().to_string();
+}
+
+uint16_t fnv16(std::initializer_list<uint64_t> values) {
+  uint64_t h = 1469598103934665603ull;
+  for (uint64_t v : values)
+    for (int i = 0; i < 8; ++i) h = (h ^ ((v >> (8 * i)) & 0xff)) * 1099511628211ull;
+  return uint16_t((h ^ (h >> 16) ^ (h >> 32)) & 0x7fff);
+}
+
+bool overlaps(const void* a, size_t an, const void* b, size_t bn) {
+  const auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
+  return an && bn && x < y + bn && y < x + an;
+}
+
+struct AlignedFree {
+  void operator()(uint8_t* p) const { std::free(p); }
+};
+using AlignedBuffer = std::unique_ptr<uint8_t, AlignedFree>;
+
+AlignedBuffer allocate(size_t bytes) {
+  const size_t rounded = std::max<size_t>(4096, (bytes + 4095) / 4096 * 4096);
+  return AlignedBuffer(static_cast<uint8_t*>(std::aligned_alloc(4096, rounded)));
+}
+
+class Comm final : public Communicator {
+ public:
+  ~Comm() override { say_goodbye(); }
+
+  Status init(const CommunicatorOptions& o);
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  Status allreduce(const void* send, void* recv, size_t count, DataType, ReduceOp) override;
+  Status reduce_scatter(const void* send, void* recv, size_t recv_count, DataType, ReduceOp) override;
+  Status allgather(const void* send, void* recv, size_t send_count, DataType) override;
+  Status broadcast(void* buffer, size_t count, DataType, int root) override;
+  Status barrier() override;
+  CommunicatorCounters counters() const override {
+    CommunicatorCounters c = counters_;
+    if (context_) c.transport = context_->counters();
+    return c;
+  }
+
+ private:
+  // ---- bootstrap ----
+  Status bootstrap();
+  Status serve_rendezvous(const json& own, std::vector<json>& table);
+  Status join_rendezvous(const json& own, std::vector<json>& table, Clock::time_point deadline);
+  Status connect_peers(const std::vector<json>& table);
+
+  // ---- channel primitives ----
+  Peer& peer(int r) { return peers_[size_t((r % size_ + size_) % size_)]; }
+  Status begin_call(CallKind, size_t count, DataType, ReduceOp, int root);
+  Status end_call(Status);
+  Status pump(const Peer* waiting_for, const char* what);
+  bool can_post(const Peer& p) const {
+    return p.data_posted - p.credits < options_.slots && p.sends_posted - p.sends_completed + 1 < max_send_wr_;
+  }
+  Status send(Peer& p, const uint8_t* source, uint32_t lkey, size_t bytes, uint64_t* sequence);
+  Result<const uint8_t*> receive(Peer& p, size_t bytes);  // waits for the next message, checks it
+  Status release(Peer& p);                                // frees its slot: credit to the sender
+  Status wait_sent(Peer& p, uint64_t sequence, const char* what);
+  Status post_control(Peer& p, uint32_t imm);
+  Status fail(Status s);
+  void say_goodbye();
+
+  // ---- algorithms ----
+  struct RingPlan {
+    const uint8_t* contribution = nullptr;  // this rank's input at element offsets (reduce steps)
+    uint8_t* work = nullptr;                // partial results and gathered segments
+    uint32_t work_lkey = 0;
+    uint8_t* own_result = nullptr;          // where segment `rank` ends after the reduce steps (null: work)
+    const uint8_t* first_source = nullptr;  // the first step's segment
+    uint32_t first_lkey = 0;
+    std::vector<size_t> offset, count;      // per segment, in elements
+    int first_step = 0, last_step = 0;      // 0..N-2 reduce, N-1..2N-3 gather
+  };
+  Status ring(const RingPlan&);
+  Status recursive_doubling(uint8_t* work, uint32_t lkey, size_t count);
+  Status exchange_reduce(Peer& partner, uint8_t* work, uint32_t lkey, size_t count);
+  Status send_all(Peer& p, const uint8_t* source, uint32_t lkey, size_t bytes);
+  Status receive_all(Peer& p, uint8_t* destination, size_t bytes, bool reduce);
+  Status chain_broadcast(uint8_t* buffer, uint32_t lkey, size_t bytes, int root);
+
+  Result<std::unique_ptr<MemoryRegion>> register_range(const void* address, size_t bytes);
+  Result<uint8_t*> scratch(size_t bytes, uint32_t* lkey);
+
+  CommunicatorOptions options_;
+  int rank_ = 0, size_ = 1;
+  std::shared_ptr<Context> context_;
+  std::shared_ptr<ProtectionDomain> pd_;
+  std::shared_ptr<CompletionQueue> cq_;
+  AlignedBuffer landing_;
+  std::unique_ptr<MemoryRegion> landing_mr_;
+  AlignedBuffer scratch_;
+  size_t scratch_bytes_ = 0;
+  std::unique_ptr<MemoryRegion> scratch_mr_;
+  std::vector<Peer> peers_;  // indexed by rank; peers_[rank_] unused
+  uint32_t max_send_wr_ = 0, recv_depth_ = 0;
+  Status broken_;
+  uint64_t call_sequence_ = 0;
+  uint16_t call_tag_ = 0;
+  const char* call_name_ = "";
+  DataType type_ = DataType::float32;
+  ReduceOp op_ = ReduceOp::sum;
+  size_t element_ = 4;
+  Clock::time_point last_progress_{};
+  CommunicatorCounters counters_;
+};
+
+Status Comm::init(const CommunicatorOptions& o) {
+  options_ = o;
+  rank_ = o.rank;
+  size_ = o.world_size;
+  if (size_ < 1 || size_ > 4096 || rank_ < 0 || rank_ >= size_)
+    return Status(Errc::invalid_argument, "communicator: rank " + std::to_string(rank_) + " of world size " + std::to_string(size_) + " is out of range");
+  if (o.chunk_bytes < 4096 || o.chunk_bytes % 4096 || o.chunk_bytes > (64u << 20))
+    return Status(Errc::invalid_argument, "communicator: chunk_bytes must be a multiple of 4096 in [4 KiB, 64 MiB]");
+  if (o.slots < 1 || o.slots > 256) return Status(Errc::invalid_argument, "communicator: slots must be in [1, 256]");
+  if (o.timeout.count() <= 0) return Status(Errc::invalid_argument, "communicator: timeout must be positive");
+  return bootstrap();
+}
+
+Status Comm::bootstrap() {
+  const auto deadline = Clock::now() + options_.timeout;
+  auto master = resolve(options_.master_address);
+  if (!master) return master.status();
+  std::string local = options_.local_address;
+  if (local.empty()) {
+    auto l = local_address_towards(*master, options_.master_port);
+    if (!l) return l.status();
+    local = *l;
+  }
+  ContextOptions co = options_.context;
+  co.bind_address = local;
+  co.udp_port = 0;
+  auto context = Context::open(co);
+  if (!context) return context.status();
+  context_ = *context;
+  auto pd = context_->allocate_pd();
+  if (!pd) return pd.status();
+  pd_ = *pd;
+
+  max_send_wr_ = 4 * options_.slots + 16;
+  recv_depth_ = 2 * options_.slots + 4;
+  const uint32_t peers = uint32_t(size_ - 1);
+  auto cq = context_->create_cq(std::max<uint32_t>(16, peers * (max_send_wr_ + recv_depth_)));
+  if (!cq) return cq.status();
+  cq_ = *cq;
+
+  const size_t per_peer = size_t(options_.slots) * options_.chunk_bytes;
+  peers_.resize(size_t(size_));
+  if (peers) {
+    landing_ = allocate(per_peer * peers);
+    if (!landing_) return Status(Errc::resource_exhausted, "communicator: cannot allocate landing buffers");
+    auto mr = pd_->register_memory(landing_.get(), per_peer * peers, access_local_write | access_remote_write);
+    if (!mr) return mr.status();
+    landing_mr_ = std::move(*mr);
+  }
+  size_t slot_index = 0;
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    Peer& p = peers_[size_t(r)];
+    p.rank = r;
+    p.landing = landing_.get() + per_peer * slot_index++;
+    QpInitAttributes attributes;
+    attributes.send_cq = cq_;
+    attributes.recv_cq = cq_;
+    attributes.cap.max_send_wr = max_send_wr_;
+    attributes.cap.max_recv_wr = recv_depth_;
+    auto qp = pd_->create_qp(attributes);
+    if (!qp) return qp.status();
+    p.qp = *qp;
+    QpModify init;
+    init.state = QpState::init;
+    init.access = access_local_write | access_remote_write;
+    if (Status s = p.qp->modify(init); !s.ok()) return s;
+    for (uint32_t i = 0; i < recv_depth_; ++i)
+      if (Status s = p.qp->post_recv(RecvWr{uint64_t(r), {}}); !s.ok()) return s;
+  }
+  if (size_ == 1) return {};
+
+  json own = hello_json(rank_, size_, options_, peers_);
+  own["landing_rkey"] = landing_mr_->rkey();
+  std::vector<json> table;
+  Status s = rank_ == 0 ? serve_rendezvous(own, table) : join_rendezvous(own, table, deadline);
+  if (!s.ok()) return s;
+  log().info("coll: rank {}/{} connected to all peers ({} mode, {} slots of {} KiB per peer)", rank_, size_, to_string(options_.context.mode),
+             options_.slots, options_.chunk_bytes / 1024);
+  return {};
+}
+
+// Checks a hello against the first one's job parameters.
+Status check_hello(const json& h, int world, const json& reference) {
+  try {
+    const int r = h.at("rank").get<int>();
+    if (h.at("version").get<int>() != 1) return Status(Errc::protocol_error, "rank " + std::to_string(r) + " speaks another rendezvous version");
+    if (h.at("world_size").get<int>() != world)
+      return Status(Errc::invalid_argument, "rank " + std::to_string(r) + " says the world size is " + std::to_string(h.at("world_size").get<int>()) +
+                                                ", rank 0 says " + std::to_string(world));
+    for (const char* key : {"mode", "slots", "chunk_bytes"})
+      if (h.at(key) != reference.at(key))
+        return Status(Errc::invalid_argument, "rank " + std::to_string(r) + " uses " + key + "=" + h.at(key).dump() + ", rank 0 uses " + reference.at(key).dump());
+    if (h.at("endpoints").size() != size_t(world) || h.at("landing").size() != size_t(world))
+      return Status(Errc::protocol_error, "rank " + std::to_string(r) + " sent a malformed endpoint table");
+  } catch (const std::exception& e) {
+    return Status(Errc::protocol_error, std::string("malformed rendezvous message: ") + e.what());
+  }
+  return {};
+}
+
+Status Comm::serve_rendezvous(const json& own, std::vector<json>& table) {
+  const auto deadline = Clock::now() + options_.timeout;
+  asio::io_context io;
+  tcp::acceptor acceptor(io);
+  asio::error_code ec;
+  const tcp::endpoint endpoint(resolve(options_.master_address).value(), options_.master_port);
+  acceptor.open(endpoint.protocol(), ec);
+  if (!ec) acceptor.set_option(tcp::acceptor::reuse_address(true), ec);
+  if (!ec) acceptor.bind(endpoint, ec);
+  if (!ec) acceptor.listen(1024, ec);
+  if (ec)
+    return Status(Errc::io_error, "rank 0 cannot serve the rendezvous on " + endpoint.address().to_string() + ":" + std::to_string(options_.master_port) +
+                                      ": " + ec.message() + " (MASTER_ADDR must be an address of rank 0's host; is the port in use?)");
+  table.assign(size_t(size_), json());
+  table[0] = own;
+  std::vector<std::unique_ptr<Channel>> channels(static_cast<size_t>(size_));
+  int joined = 1;
+  auto broadcast_error = [&](const Status& s) {
+    for (auto& c : channels)
+      if (c) (void)c->write_line(json{{"type", "error"}, {"reason", s.to_string()}}, Clock::now() + std::chrono::seconds(1));
+    return s;
+  };
+  while (joined < size_) {
+    auto channel = std::make_unique<Channel>(io);
+    asio::error_code accepted = asio::error::would_block;
+    acceptor.async_accept(channel->socket(), [&](asio::error_code e) { accepted = e; });
+    io.restart();
+    while (accepted == asio::error::would_block && Clock::now() < deadline) io.run_one_until(deadline);
+    if (accepted == asio::error::would_block) {
+      acceptor.cancel();
+      io.restart();
+      io.run();
+      return broadcast_error(Status(Errc::timeout, "rendezvous: only " + std::to_string(joined) + " of " + std::to_string(size_) +
+                                                       " ranks arrived within " + std::to_string(options_.timeout.count()) + " ms"));
+    }
+    if (accepted) return broadcast_error(Status(Errc::io_error, "rendezvous accept: " + accepted.message()));
+    auto hello = channel->read_line(std::min(deadline, Clock::now() + std::chrono::seconds(5)));
+    if (!hello || (*hello)["type"] != "hello") {
+      log().warn("coll: rendezvous ignored a connection without a hello");
+      continue;
+    }
+    Status valid = check_hello(*hello, size_, own);
+    const int r = valid.ok() ? (*hello)["rank"].get<int>() : -1;
+    if (valid.ok() && (r <= 0 || r >= size_ || channels[size_t(r)]))
+      valid = Status(Errc::invalid_argument, "rendezvous: rank " + std::to_string(r) + " joined twice or is out of range");
+    if (!valid.ok()) {
+      (void)channel->write_line(json{{"type", "error"}, {"reason", valid.to_string()}}, Clock::now() + std::chrono::seconds(1));
+      return broadcast_error(valid);
+    }
+    table[size_t(r)] = *hello;
+    channels[size_t(r)] = std::move(channel);
+    ++joined;
+  }
+  json all{{"type", "table"}, {"ranks", table}};
+  for (int r = 1; r < size_; ++r)
+    if (Status s = channels[size_t(r)]->write_line(all, deadline); !s.ok()) return broadcast_error(s);
+  if (Status s = connect_peers(table); !s.ok()) return broadcast_error(s);
+  // Everyone's QPs are ready to receive before anyone sends.
+  for (int r = 1; r < size_; ++r) {
+    auto ready = channels[size_t(r)]->read_line(deadline);
+    if (!ready) return broadcast_error(Status(ready.status().code(), "rendezvous: rank " + std::to_string(r) + " did not confirm: " + ready.status().message()));
+    if ((*ready)["type"] != "ready")
+      return broadcast_error(Status(Errc::connection_refused, "rank " + std::to_string(r) + " failed to connect: " + ready->value("reason", std::string("?"))));
+  }
+  for (int r = 1; r < size_; ++r)
+    if (Status s = channels[size_t(r)]->write_line(json{{"type", "go"}}, deadline); !s.ok()) return s;
+  return {};
+}
+
+Status Comm::join_rendezvous(const json& own, std::vector<json>& table, Clock::time_point deadline) {
+  asio::io_context io;
+  Channel channel(io);
+  const std::string master = resolve(options_.master_address).value().to_string();
+  if (Status s = control::connect_with_retry(channel, master, options_.master_port, deadline); !s.ok())
+    return Status(s.code(), "rank " + std::to_string(rank_) + " cannot reach the rendezvous at rank 0 (MASTER_ADDR/MASTER_PORT): " + s.message());
+  if (Status s = channel.write_line(own, deadline); !s.ok()) return s;
+  auto reply = channel.read_line(deadline);
+  if (!reply) return Status(reply.status().code(), "rendezvous: no table from rank 0: " + reply.status().message());
+  if ((*reply)["type"] == "error") return Status(Errc::connection_refused, "rendezvous failed at rank 0: " + reply->value("reason", std::string("?")));
+  if ((*reply)["type"] != "table" || !(*reply)["ranks"].is_array() || (*reply)["ranks"].size() != size_t(size_))
+    return Status(Errc::protocol_error, "rendezvous: malformed table from rank 0");
+  table = (*reply)["ranks"].get<std::vector<json>>();
+  for (const json& h : table)
+    if (Status s = check_hello(h, size_, own); !s.ok()) return s;
+  Status connected = connect_peers(table);
+  json ready = connected.ok() ? json{{"type", "ready"}} : json{{"type", "failed"}, {"reason", connected.to_string()}};
+  if (Status s = channel.write_line(ready, deadline); !s.ok()) return s;
+  if (!connected.ok()) return connected;
+  auto go = channel.read_line(deadline);
+  if (!go) return Status(go.status().code(), "rendezvous: rank 0 did not start the job: " + go.status().message());
+  if ((*go)["type"] != "go") return Status(Errc::connection_refused, "rendezvous failed at rank 0: " + go->value("reason", std::string("?")));
+  return {};
+}
+
+Status Comm::connect_peers(const std::vector<json>& table) {
+  for (Peer& p : peers_) {
+    if (p.rank < 0) continue;
+    const json& theirs = table[size_t(p.rank)];
+    auto remote = control::endpoint_from(theirs["endpoints"][size_t(rank_)]);
+    if (!remote) return remote.status();
+    try {
+      p.remote_landing = theirs["landing"][size_t(rank_)]["addr"].get<uint64_t>();
+      p.remote_rkey = theirs.at("landing_rkey").get<uint32_t>();
+    } catch (const std::exception& e) {
+      return Status(Errc::protocol_error, std::string("rendezvous: malformed landing buffer entry: ") + e.what());
+    }
+    // Between calls a rank may compute for a long time without polling, while
+    // a peer already in the next call retransmits to it every rto_max: retry
+    // for as long as the timeout allows, which then names the silent rank.
+    QpTiming timing;
+    timing.retry_count = uint32_t(options_.timeout / timing.rto_max) + 8;
+    if (Status s = control::to_rts(*p.qp, *remote, timing); !s.ok()) return s;
+  }
+  return {};
+}
+
+// ---------------------------------------------------------------- channels
+
+Status Comm::fail(Status s) {
+  if (broken_.ok()) {
+    broken_ = s;
+    log().warn("coll: rank {}: {}", rank_, s.to_string());
+    for (Peer& p : peers_)  // best effort: tell the others to stop waiting for us
+      if (p.rank >= 0 && p.qp && p.qp->state() == QpState::rts) (void)post_control(p, abort_imm);
+  }
+  return s;
+}
+
+Status Comm::post_control(Peer& p, uint32_t imm) {
+  SendWr wr;
+  wr.wr_id = uint64_t(p.rank);
+  wr.opcode = WrOpcode::rdma_write_with_imm;
+  wr.remote_addr = p.remote_landing;
+  wr.rkey = p.remote_rkey;
+  wr.imm_data = imm;
+  if (Status s = p.qp->post_send(wr); !s.ok()) return s;
+  ++p.sends_posted;
+  return {};
+}
+
+Status Comm::pump(const Peer* waiting_for, const char* what) {
+  WorkCompletion wcs[64];
+  auto n = cq_->wait(wcs, std::chrono::milliseconds(1));
+  if (!n) {
+    if (n.status().code() != Errc::timeout) return fail(n.status());
+    if (Clock::now() - last_progress_ > options_.timeout)
+      return fail(Status(Errc::timeout, std::string(call_name_) + ": no progress for " + std::to_string(options_.timeout.count()) + " ms waiting for " + what +
+                                            (waiting_for ? " of rank " + std::to_string(waiting_for->rank) : std::string()) + " (dead or hung?)"));
+    return {};
+  }
+  last_progress_ = Clock::now();
+  for (int i = 0; i < *n; ++i) {
+    const WorkCompletion& wc = wcs[i];
+    const int from = int(wc.wr_id);
+    if (from < 0 || from >= size_ || from == rank_) return fail(Status(Errc::protocol_error, "completion for an unknown peer"));
+    Peer& p = peers_[size_t(from)];
+    if (wc.status != WcStatus::success)
+      return fail(Status(Errc::io_error, std::string(call_name_) + ": transport to rank " + std::to_string(from) + " failed: " + to_string(wc.status) +
+                                             (wc.status == WcStatus::retry_exceeded ? " (rank dead or unreachable)" : "")));
+    if (wc.opcode != WcOpcode::recv_rdma_with_imm) {
+      ++p.sends_completed;
+      continue;
+    }
+    if (Status s = p.qp->post_recv(RecvWr{uint64_t(from), {}}); !s.ok()) return fail(s);
+    if (wc.imm_data == credit_imm) {
+      ++p.credits;
+    } else if (wc.imm_data == abort_imm) {
+      return fail(Status(Errc::io_error, std::string(call_name_) + ": rank " + std::to_string(from) + " aborted the communicator (see its error)"));
+    } else if (wc.imm_data == bye_imm) {
+      p.said_bye = true;
+    } else if (wc.imm_data & control_bit) {
+      return fail(Status(Errc::protocol_error, "rank " + std::to_string(from) + " sent an unknown control message"));
+    } else {
+      p.arrivals.push_back({wc.imm_data, wc.byte_len});
+    }
+  }
+  return {};
+}
+
+Status Comm::send(Peer& p, const uint8_t* source, uint32_t lkey, size_t bytes, uint64_t* sequence) {
+  while (!can_post(p))
+    if (Status s = pump(&p, "credits"); !s.ok()) return s;
+  Sge sge{reinterpret_cast<uint64_t>(source), uint32_t(bytes), lkey};
+  SendWr wr;
+  wr.wr_id = uint64_t(p.rank);
+  wr.opcode = WrOpcode::rdma_write_with_imm;
+  wr.sg_list = {&sge, bytes ? 1u : 0u};
+  wr.remote_addr = p.remote_landing + (p.data_posted % options_.slots) * options_.chunk_bytes;
+  wr.rkey = p.remote_rkey;
+  wr.imm_data = uint32_t(call_tag_) << 16 | (p.call_sent & 0xffff);
+  if (Status s = p.qp->post_send(wr); !s.ok()) return fail(s);
+  ++p.data_posted;
+  ++p.call_sent;
+  *sequence = p.last_data_send = ++p.sends_posted;
+  counters_.bytes_sent += bytes;
+  ++counters_.messages_sent;
+  return {};
+}
+
+Result<const uint8_t*> Comm::receive(Peer& p, size_t bytes) {
+  while (p.arrivals.empty()) {
+    if (p.said_bye)
+      return fail(Status(Errc::protocol_error, std::string(call_name_) + ": rank " + std::to_string(p.rank) +
+                                                   " destroyed its communicator; the ranks made different numbers of calls"));
+    if (Status s = pump(&p, "data"); !s.ok()) return s;
+  }
+  const Arrival a = p.arrivals.front();
+  const uint16_t tag = uint16_t((a.imm >> 16) & 0x7fff);
+  if (tag != call_tag_ || (a.imm & 0xffff) != (p.call_received & 0xffff) || a.length != bytes)
+    return fail(Status(Errc::protocol_error,
+                       std::string(call_name_) + ": rank " + std::to_string(p.rank) + "'s call does not match this rank's (" + call_name_ + " of " +
+                           to_string(type_) + ", reduction " + to_string(op_) +
+                           "): operation, element count, data type, reduction or root differ, or the ranks' calls are out of order"));
+  return p.landing + (p.data_consumed % options_.slots) * options_.chunk_bytes;
+}
+
+Status Comm::release(Peer& p) {
+  p.arrivals.pop_front();
+  ++p.data_consumed;
+  ++p.call_received;
+  while (p.sends_posted - p.sends_completed + 1 >= max_send_wr_)
+    if (Status s = pump(&p, "send queue room"); !s.ok()) return s;
+  if (Status s = post_control(p, credit_imm); !s.ok()) return fail(s);
+  return {};
+}
+
+Status Comm::wait_sent(Peer& p, uint64_t sequence, const char* what) {
+  while (p.sends_completed < sequence)
+    if (Status s = pump(&p, what); !s.ok()) return s;
+  return {};
+}
+
+Status Comm::begin_call(CallKind kind, size_t count, DataType type, ReduceOp op, int root) {
+  if (!broken_.ok()) return Status(broken_.code(), "communicator is broken by an earlier error: " + broken_.message());
+  call_name_ = to_string(kind);
+  type_ = type;
+  op_ = op;
+  element_ = size_of(type);
+  call_tag_ = fnv16({++call_sequence_, uint64_t(kind), uint64_t(count), uint64_t(type), uint64_t(op), uint64_t(int64_t(root))});
+  for (Peer& p : peers_) p.call_sent = p.call_received = 0;
+  last_progress_ = Clock::now();
+  ++counters_.calls;
+  return {};
+}
+
+// Every message this rank wrote must be acknowledged before the caller may
+// reuse its buffers (a retransmission reads them again).
+Status Comm::end_call(Status s) {
+  if (!s.ok()) return s;
+  for (Peer& p : peers_)
+    if (p.rank >= 0)
+      if (Status w = wait_sent(p, p.last_data_send, "acknowledgements"); !w.ok()) return w;
+  context_->flush_acknowledgements();
+  return {};
+}
+
+void Comm::say_goodbye() {
+  if (!broken_.ok() || size_ == 1 || !cq_) return;
+  // Tell every peer we are gone, and stay until they have all said so too
+  // and acknowledged our last messages; bounded, since a peer may be dead.
+  call_name_ = "communicator destruction";
+  last_progress_ = Clock::now();
+  const auto deadline = Clock::now() + std::min<std::chrono::milliseconds>(options_.timeout, std::chrono::seconds(2));
+  for (Peer& p : peers_)
+    if (p.rank >= 0 && post_control(p, bye_imm).ok()) {}
+  auto done = [&] {
+    for (const Peer& p : peers_)
+      if (p.rank >= 0 && (!p.said_bye || p.sends_completed < p.sends_posted)) return false;
+    return true;
+  };
+  while (!done() && Clock::now() < deadline && pump(nullptr, "goodbyes").ok()) {}
+  context_->flush_acknowledgements();
+}
+
+Result<std::unique_ptr<MemoryRegion>> Comm::register_range(const void* address, size_t bytes) {
+  return pd_->register_memory(const_cast<void*>(address), bytes, access_local_write);
+}
+
+Result<uint8_t*> Comm::scratch(size_t bytes, uint32_t* lkey) {
+  if (bytes > scratch_bytes_) {
+    scratch_mr_.reset();
+    scratch_ = allocate(bytes);
+    if (!scratch_) return Status(Errc::resource_exhausted, "communicator: cannot allocate " + std::to_string(bytes) + " bytes of scratch");
+    auto mr = register_range(scratch_.get(), bytes);
+    if (!mr) return mr.status();
+    scratch_mr_ = std::move(*mr);
+    scratch_bytes_ = bytes;
+  }
+  *lkey = scratch_mr_->lkey();
+  return scratch_.get();
+}
+
+// ---------------------------------------------------------------- algorithms
+
+// The ring. Step s (0 <= s <= 2N-3): rank r sends segment (r-s-1) mod N to
+// r+1 and receives segment (r-s-2) mod N from r-1. Steps 0..N-2 reduce (the
+// received partial result with this rank's contribution), so that after step
+// N-2 rank r holds the full reduction of segment r; steps N-1..2N-3 pass the
+// finished segments around. Each segment travels in chunks, and a chunk is
+// forwarded as soon as it is reduced, so the transfers pipeline.
+Status Comm::ring(const RingPlan& plan) {
+  const int n = size_;
+  Peer& next = peer(rank_ + 1);
+  Peer& prev = peer(rank_ - 1);
+  const size_t chunk_elements = options_.chunk_bytes / element_;
+  auto chunks = [&](int segment) { return (plan.count[size_t(segment)] + chunk_elements - 1) / chunk_elements; };
+  auto chunk_bytes = [&](int segment, size_t k) {
+    return std::min(chunk_elements, plan.count[size_t(segment)] - k * chunk_elements) * element_;
+  };
+  auto received_segment = [&](int step) { return ((rank_ - step - 2) % n + 2 * n) % n; };
+  size_t max_chunks = 0;
+  for (int s = 0; s < n; ++s) max_chunks = std::max(max_chunks, chunks(s));
+  // Send sequence of the last message read from each chunk of `work`: the
+  // chunk may be overwritten only once that message is acknowledged.
+  std::vector<uint64_t> read_by(size_t(n) * max_chunks, 0);
+
+  struct Outgoing {
+    const uint8_t* source;
+    uint32_t lkey;
+    size_t bytes;
+    size_t chunk_id;
+  };
+  std::deque<Outgoing> outgoing;
+  const int first_segment = ((rank_ - plan.first_step - 1) % n + n) % n;
+  for (size_t k = 0; k < chunks(first_segment); ++k)
+    outgoing.push_back({plan.first_source + k * chunk_elements * element_, plan.first_lkey, chunk_bytes(first_segment, k),
+                        size_t(first_segment) * max_chunks + k});
+
+  int step = plan.first_step;
+  size_t k = 0;
+  auto skip_empty = [&] {
+    while (step <= plan.last_step && chunks(received_segment(step)) == 0) ++step;
+  };
+  skip_empty();
+  while (step <= plan.last_step || !outgoing.empty()) {
+    bool did = false;
+    while (!outgoing.empty() && can_post(next)) {
+      const Outgoing o = outgoing.front();
+      outgoing.pop_front();
+      uint64_t sequence = 0;
+      if (Status s = send(next, o.source, o.lkey, o.bytes, &sequence); !s.ok()) return s;
+      read_by[o.chunk_id] = sequence;
+      did = true;
+    }
+    if (step <= plan.last_step && !prev.arrivals.empty()) {
+      const int segment = received_segment(step);
+      const size_t bytes = chunk_bytes(segment, k);
+      auto incoming = receive(prev, bytes);
+      if (!incoming) return incoming.status();
+      const size_t element_offset = plan.offset[size_t(segment)] + k * chunk_elements;
+      const size_t id = size_t(segment) * max_chunks + k;
+      const bool reducing = step <= n - 2;
+      uint8_t* destination = plan.work + element_offset * element_;
+      if (reducing && step == n - 2 && plan.own_result) destination = plan.own_result + k * chunk_elements * element_;
+      else if (Status s = wait_sent(next, read_by[id], "acknowledgement of a forwarded chunk"); !s.ok()) return s;
+      if (reducing) {
+        detail::reduce(type_, op_, destination, plan.contribution + element_offset * element_, *incoming, bytes / element_);
+        if (step == n - 2 && op_ == ReduceOp::avg) detail::divide(type_, destination, bytes / element_, n);
+      } else {
+        std::memcpy(destination, *incoming, bytes);
+      }
+      if (Status s = release(prev); !s.ok()) return s;
+      if (step < plan.last_step) outgoing.push_back({destination, plan.work_lkey, bytes, id});
+      if (++k == chunks(segment)) {
+        k = 0;
+        ++step;
+        skip_empty();
+      }
+      continue;
+    }
+    if (!did)
+      if (Status s = pump(step <= plan.last_step ? &prev : &next, step <= plan.last_step ? "data" : "credits"); !s.ok()) return s;
+  }
+  return {};
+}
+
+Status Comm::send_all(Peer& p, const uint8_t* source, uint32_t lkey, size_t bytes) {
+  for (size_t at = 0; at < bytes; at += options_.chunk_bytes) {
+    uint64_t sequence;
+    if (Status s = send(p, source + at, lkey, std::min(options_.chunk_bytes, bytes - at), &sequence); !s.ok()) return s;
+  }
+  return {};
+}
+
+Status Comm::receive_all(Peer& p, uint8_t* destination, size_t bytes, bool reduce) {
+  for (size_t at = 0; at < bytes; at += options_.chunk_bytes) {
+    const size_t length = std::min(options_.chunk_bytes, bytes - at);
+    auto incoming = receive(p, length);
+    if (!incoming) return incoming.status();
+    if (reduce) detail::reduce(type_, op_, destination + at, destination + at, *incoming, length / element_);
+    else std::memcpy(destination + at, *incoming, length);
+    if (Status s = release(p); !s.ok()) return s;
+  }
+  return {};
+}
+
+// Both partners send their whole vector and reduce the other's into it.
+// a op b == b op a bit for bit (IEEE sum, product, min, max are
+// commutative), so both end with identical values.
+Status Comm::exchange_reduce(Peer& partner, uint8_t* work, uint32_t lkey, size_t count) {
+  const size_t bytes = count * element_;
+  const size_t chunks = (bytes + options_.chunk_bytes - 1) / options_.chunk_bytes;
+  std::vector<uint64_t> sequence(chunks);
+  size_t sent = 0, reduced = 0;
+  while (reduced < chunks) {
+    while (sent < chunks && can_post(partner)) {
+      const size_t at = sent * options_.chunk_bytes;
+      if (Status s = send(partner, work + at, lkey, std::min(options_.chunk_bytes, bytes - at), &sequence[sent]); !s.ok()) return s;
+      ++sent;
+    }
+    if (reduced < sent && !partner.arrivals.empty()) {
+      const size_t at = reduced * options_.chunk_bytes;
+      const size_t length = std::min(options_.chunk_bytes, bytes - at);
+      auto incoming = receive(partner, length);
+      if (!incoming) return incoming.status();
+      if (Status s = wait_sent(partner, sequence[reduced], "acknowledgement"); !s.ok()) return s;
+      detail::reduce(type_, op_, work + at, work + at, *incoming, length / element_);
+      if (Status s = release(partner); !s.ok()) return s;
+      ++reduced;
+      continue;
+    }
+    if (Status s = pump(&partner, "data"); !s.ok()) return s;
+  }
+  return {};
+}
+
+// Recursive doubling on the largest power of two p <= N; ranks p..N-1 first
+// fold their vector into rank r-p and get the result back at the end.
+Status Comm::recursive_doubling(uint8_t* work, uint32_t lkey, size_t count) {
+  int p = 1;
+  while (p * 2 <= size_) p *= 2;
+  const size_t bytes = count * element_;
+  if (rank_ >= p) {
+    Peer& partner = peer(rank_ - p);
+    if (Status s = send_all(partner, work, lkey, bytes); !s.ok()) return s;
+    if (Status s = wait_sent(partner, partner.sends_posted, "acknowledgement"); !s.ok()) return s;
+    return receive_all(partner, work, bytes, false);
+  }
+  if (rank_ + p < size_)
+    if (Status s = receive_all(peer(rank_ + p), work, bytes, true); !s.ok()) return s;
+  for (int mask = 1; mask < p; mask <<= 1)
+    if (Status s = exchange_reduce(peer(rank_ ^ mask), work, lkey, count); !s.ok()) return s;
+  if (op_ == ReduceOp::avg) detail::divide(type_, work, count, size_);
+  if (rank_ + p < size_)
+    if (Status s = send_all(peer(rank_ + p), work, lkey, bytes); !s.ok()) return s;
+  return {};
+}
+
+// A pipelined chain root -> root+1 -> ... -> root-1: each chunk is forwarded
+// as soon as it arrives.
+Status Comm::chain_broadcast(uint8_t* buffer, uint32_t lkey, size_t bytes, int root) {
+  const int position = ((rank_ - root) % size_ + size_) % size_;
+  Peer& next = peer(rank_ + 1);
+  Peer& prev = peer(rank_ - 1);
+  const bool forwards = position < size_ - 1;
+  if (position == 0) return send_all(next, buffer, lkey, bytes);
+  for (size_t at = 0; at < bytes; at += options_.chunk_bytes) {
+    const size_t length = std::min(options_.chunk_bytes, bytes - at);
+    auto incoming = receive(prev, length);
+    if (!incoming) return incoming.status();
+    std::memcpy(buffer + at, *incoming, length);
+    if (Status s = release(prev); !s.ok()) return s;
+    uint64_t sequence;
+    if (forwards)
+      if (Status s = send(next, buffer + at, lkey, length, &sequence); !s.ok()) return s;
+  }
+  return {};
+}
+
+// ---------------------------------------------------------------- operations
+
+Status Comm::allreduce(const void* send, void* recv, size_t count, DataType type, ReduceOp op) {
+  const size_t bytes = count * size_of(type);
+  if (count && (!send || !recv)) return Status(Errc::invalid_argument, "allreduce: null buffer");
+  if (send != recv && overlaps(send, bytes, recv, bytes)) return Status(Errc::invalid_argument, "allreduce: buffers overlap without being equal");
+  if (Status s = begin_call(CallKind::allreduce, count, type, op, -1); !s.ok()) return s;
+  if (count == 0) return {};
+  if (size_ == 1) {
+    if (send != recv) std::memmove(recv, send, bytes);
+    return {};
+  }
+  auto recv_mr = register_range(recv, bytes);
+  if (!recv_mr) return fail(recv_mr.status());
+  const bool small = options_.allreduce_algorithm == AllreduceAlgorithm::recursive_doubling ||
+                     (options_.allreduce_algorithm == AllreduceAlgorithm::automatic && bytes <= options_.small_message_bytes);
+  if (small) {
+    if (send != recv) std::memcpy(recv, send, bytes);
+    return end_call(recursive_doubling(static_cast<uint8_t*>(recv), (*recv_mr)->lkey(), count));
+  }
+  std::unique_ptr<MemoryRegion> send_mr;
+  if (send != recv) {
+    auto mr = register_range(send, bytes);
+    if (!mr) return fail(mr.status());
+    send_mr = std::move(*mr);
+  }
+  RingPlan plan;
+  plan.contribution = static_cast<const uint8_t*>(send);
+  plan.work = static_cast<uint8_t*>(recv);
+  plan.work_lkey = (*recv_mr)->lkey();
+  plan.first_step = 0;
+  plan.last_step = 2 * size_ - 3;
+  for (int s = 0; s < size_; ++s) {
+    plan.count.push_back(count / size_t(size_) + (size_t(s) < count % size_t(size_) ? 1 : 0));
+    plan.offset.push_back(size_t(s) * (count / size_t(size_)) + std::min(size_t(s), count % size_t(size_)));
+  }
+  const int first = (rank_ - 1 + size_) % size_;
+  plan.first_source = plan.contribution + plan.offset[size_t(first)] * element_;
+  plan.first_lkey = send_mr ? send_mr->lkey() : plan.work_lkey;
+  return end_call(ring(plan));
+}
+
+Status Comm::reduce_scatter(const void* send, void* recv, size_t recv_count, DataType type, ReduceOp op) {
+  const size_t element = size_of(type), block = recv_count * element, total = block * size_t(size_);
+  if (recv_count && (!send || !recv)) return Status(Errc::invalid_argument, "reduce_scatter: null buffer");
+  const auto* in = static_cast<const uint8_t*>(send);
+  auto* out = static_cast<uint8_t*>(recv);
+  const bool nccl_in_place = out == in + size_t(rank_) * block;
+  if (!nccl_in_place && out != in && overlaps(in, total, out, block))
+    return Status(Errc::invalid_argument, "reduce_scatter: buffers overlap without being in place (recv == send or recv == send + rank * recv_count)");
+  if (Status s = begin_call(CallKind::reduce_scatter, recv_count, type, op, -1); !s.ok()) return s;
+  if (recv_count == 0) return {};
+  if (size_ == 1) {
+    if (out != in) std::memmove(out, in, block);
+    return {};
+  }
+  auto send_mr = register_range(send, total);
+  if (!send_mr) return fail(send_mr.status());
+  uint32_t work_lkey = 0;
+  auto work = scratch(total, &work_lkey);
+  if (!work) return fail(work.status());
+  RingPlan plan;
+  plan.contribution = in;
+  plan.work = *work;
+  plan.work_lkey = work_lkey;
+  // The own segment is finished in place only where that cannot clobber an
+  // input still needed (out of place, or NCCL's in-place layout).
+  const bool direct = nccl_in_place || !overlaps(in, total, out, block);
+  plan.own_result = direct ? out : *work + size_t(rank_) * block;
+  plan.first_step = 0;
+  plan.last_step = size_ - 2;
+  for (int s = 0; s < size_; ++s) {
+    plan.count.push_back(recv_count);
+    plan.offset.push_back(size_t(s) * recv_count);
+  }
+  plan.first_source = in + size_t((rank_ - 1 + size_) % size_) * block;
+  plan.first_lkey = (*send_mr)->lkey();
+  Status s = end_call(ring(plan));
+  if (s.ok() && !direct) std::memcpy(out, *work + size_t(rank_) * block, block);
+  return s;
+}
+
+Status Comm::allgather(const void* send, void* recv, size_t send_count, DataType type) {
+  const size_t element = size_of(type), block = send_count * element, total = block * size_t(size_);
+  if (send_count && (!send || !recv)) return Status(Errc::invalid_argument, "allgather: null buffer");
+  auto* out = static_cast<uint8_t*>(recv);
+  const auto* in = static_cast<const uint8_t*>(send);
+  uint8_t* own = out + size_t(rank_) * block;
+  if (in != own && overlaps(in, block, out, total))
+    return Status(Errc::invalid_argument, "allgather: buffers overlap without being in place (send == recv + rank * send_count)");
+  if (Status s = begin_call(CallKind::allgather, send_count, type, ReduceOp::sum, -1); !s.ok()) return s;
+  if (send_count == 0) return {};
+  if (in != own) std::memcpy(own, in, block);
+  if (size_ == 1) return {};
+  auto recv_mr = register_range(recv, total);
+  if (!recv_mr) return fail(recv_mr.status());
+  RingPlan plan;
+  plan.work = out;
+  plan.work_lkey = (*recv_mr)->lkey();
+  plan.first_step = size_ - 1;
+  plan.last_step = 2 * size_ - 3;
+  for (int s = 0; s < size_; ++s) {
+    plan.count.push_back(send_count);
+    plan.offset.push_back(size_t(s) * send_count);
+  }
+  plan.first_source = own;
+  plan.first_lkey = plan.work_lkey;
+  return end_call(ring(plan));
+}
+
+Status Comm::broadcast(void* buffer, size_t count, DataType type, int root) {
+  if (root < 0 || root >= size_) return Status(Errc::invalid_argument, "broadcast: root " + std::to_string(root) + " is not a rank");
+  if (count && !buffer) return Status(Errc::invalid_argument, "broadcast: null buffer");
+  if (Status s = begin_call(CallKind::broadcast, count, type, ReduceOp::sum, root); !s.ok()) return s;
+  if (count == 0 || size_ == 1) return {};
+  const size_t bytes = count * size_of(type);
+  auto mr = register_range(buffer, bytes);
+  if (!mr) return fail(mr.status());
+  return end_call(chain_broadcast(static_cast<uint8_t*>(buffer), (*mr)->lkey(), bytes, root));
+}
+
+Status Comm::barrier() {
+  if (Status s = begin_call(CallKind::barrier, 1, DataType::int32, ReduceOp::sum, -1); !s.ok()) return s;
+  if (size_ == 1) return {};
+  uint32_t lkey = 0;
+  auto work = scratch(sizeof(int32_t), &lkey);
+  if (!work) return fail(work.status());
+  std::memset(*work, 0, sizeof(int32_t));
+  return end_call(recursive_doubling(*work, lkey, 1));
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Communicator>> Communicator::create(const CommunicatorOptions& options) {
+  auto comm = std::make_unique<Comm>();
+  if (Status s = comm->init(options); !s.ok()) return s;
+  return std::unique_ptr<Communicator>(std::move(comm));
+}
+
+}  // namespace stellar::coll

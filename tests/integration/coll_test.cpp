@@ -1,0 +1,431 @@
+// Collectives across real processes (one per rank, forked) over loopback:
+// every operation, data type and reduction against a serial reference, for
+// sizes from 0 to several MiB with odd counts, on 2, 3 and 4 ranks, with and
+// without fault injection; dead, hung and mismatched ranks.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <netinet/in.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <thread>
+#include <vector>
+
+#include "coll/reduce.hpp"
+#include "stellar/coll.hpp"
+
+using namespace stellar;
+using namespace stellar::coll;
+using namespace std::chrono_literals;
+
+namespace {
+
+uint16_t free_port() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  socklen_t len = sizeof a;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+CommunicatorOptions base_options(int rank, int world, uint16_t port) {
+  CommunicatorOptions o;
+  o.rank = rank;
+  o.world_size = world;
+  o.master_port = port;
+  o.timeout = 20s;
+  o.context.wait = WaitPolicy::adaptive;  // more processes than cores here
+  return o;
+}
+
+// Runs body(communicator) in `world` forked processes. Returns each rank's
+// exit code: body's return value, 100 + Errc when create() failed, or -signal.
+// Ranks still running after `limit` are killed (a hang fails the test).
+std::vector<int> run_ranks(int world, const std::function<int(Communicator&, int)>& body,
+                           const std::function<void(CommunicatorOptions&)>& tweak = {}, std::chrono::seconds limit = 240s) {
+  const uint16_t port = free_port();
+  std::vector<pid_t> pids;
+  for (int r = 0; r < world; ++r) {
+    const pid_t pid = fork();
+    if (pid == 0) {
+      CommunicatorOptions o = base_options(r, world, port);
+      if (tweak) tweak(o);
+      auto comm = Communicator::create(o);
+      if (!comm) {
+        std::fprintf(stderr, "rank %d: create: %s\n", r, comm.status().to_string().c_str());
+        std::fflush(stderr);
+        _exit(100 + int(comm.status().code()));
+      }
+      const int rc = body(**comm, r);
+      comm->reset();
+      std::fflush(stdout);
+      std::fflush(stderr);
+      _exit(rc);
+    }
+    pids.push_back(pid);
+  }
+  std::vector<int> codes(size_t(world), -1000);
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  size_t done = 0;
+  while (done < pids.size()) {
+    for (size_t i = 0; i < pids.size(); ++i) {
+      if (codes[i] != -1000) continue;
+      int status = 0;
+      if (waitpid(pids[i], &status, WNOHANG) == pids[i]) {
+        codes[i] = WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status);
+        ++done;
+      }
+    }
+    if (std::chrono::steady_clock::now() > deadline) {
+      for (size_t i = 0; i < pids.size(); ++i)
+        if (codes[i] == -1000) {
+          kill(pids[i], SIGKILL);
+          waitpid(pids[i], nullptr, 0);
+          codes[i] = -SIGKILL;
+          ++done;
+        }
+    }
+    std::this_thread::sleep_for(5ms);
+  }
+  return codes;
+}
+
+// ---- serial reference ----
+
+double input_value(int rank, size_t i) { return double((rank * 7 + i * 3) % 5 + 1); }
+
+void store(DataType t, void* buffer, size_t i, double v) {
+  switch (t) {
+    case DataType::float32: static_cast<float*>(buffer)[i] = float(v); break;
+    case DataType::float64: static_cast<double*>(buffer)[i] = v; break;
+    case DataType::int32: static_cast<int32_t*>(buffer)[i] = int32_t(v); break;
+    case DataType::int64: static_cast<int64_t*>(buffer)[i] = int64_t(v); break;
+    case DataType::float16: static_cast<uint16_t*>(buffer)[i] = detail::float_to_half(float(v)); break;
+    case DataType::bfloat16: static_cast<uint16_t*>(buffer)[i] = detail::float_to_bfloat16(float(v)); break;
+  }
+}
+
+double load(DataType t, const void* buffer, size_t i) {
+  switch (t) {
+    case DataType::float32: return static_cast<const float*>(buffer)[i];
+    case DataType::float64: return static_cast<const double*>(buffer)[i];
+    case DataType::int32: return static_cast<const int32_t*>(buffer)[i];
+    case DataType::int64: return double(static_cast<const int64_t*>(buffer)[i]);
+    case DataType::float16: return detail::half_to_float(static_cast<const uint16_t*>(buffer)[i]);
+    case DataType::bfloat16: return detail::bfloat16_to_float(static_cast<const uint16_t*>(buffer)[i]);
+  }
+  return 0;
+}
+
+bool is_integer(DataType t) { return t == DataType::int32 || t == DataType::int64; }
+
+double expected(ReduceOp op, DataType t, int world, size_t i, int index_shift = 0) {
+  double acc = input_value(0, i + size_t(index_shift));
+  for (int r = 1; r < world; ++r) {
+    const double v = input_value(r, i + size_t(index_shift));
+    switch (op) {
+      case ReduceOp::sum:
+      case ReduceOp::avg: acc += v; break;
+      case ReduceOp::prod: acc *= v; break;
+      case ReduceOp::min: acc = std::min(acc, v); break;
+      case ReduceOp::max: acc = std::max(acc, v); break;
+    }
+  }
+  if (op == ReduceOp::avg) acc = is_integer(t) ? std::trunc(acc / world) : acc / world;
+  return acc;
+}
+
+bool close_enough(DataType t, double got, double want) {
+  const double tolerance = t == DataType::float16 || t == DataType::bfloat16 ? 1e-2 : t == DataType::float32 ? 1e-6 : 0;
+  return std::fabs(got - want) <= tolerance * std::max(1.0, std::fabs(want));
+}
+
+constexpr DataType all_types[] = {DataType::float32, DataType::float16, DataType::bfloat16, DataType::float64, DataType::int32, DataType::int64};
+constexpr ReduceOp all_ops[] = {ReduceOp::sum, ReduceOp::prod, ReduceOp::min, ReduceOp::max, ReduceOp::avg};
+
+#define CHECK_OK(expr, what)                                                                     \
+  do {                                                                                           \
+    Status s_ = (expr);                                                                          \
+    if (!s_.ok()) {                                                                              \
+      std::fprintf(stderr, "rank %d: %s: %s\n", comm.rank(), what, s_.to_string().c_str());     \
+      return 2;                                                                                  \
+    }                                                                                            \
+  } while (0)
+
+// Returns the number of wrong values (and prints the first).
+size_t compare(const char* what, DataType t, ReduceOp op, const void* got, size_t count, int world, int rank, size_t shift = 0) {
+  size_t wrong = 0;
+  for (size_t i = 0; i < count; ++i) {
+    const double want = expected(op, t, world, i, int(shift));
+    const double have = load(t, got, i);
+    if (!close_enough(t, have, want)) {
+      if (!wrong)
+        std::fprintf(stderr, "rank %d: %s %s/%s count %zu: [%zu] = %g, want %g\n", rank, what, to_string(t), to_string(op), count, i, have, want);
+      ++wrong;
+    }
+  }
+  return wrong;
+}
+
+// Every operation, type and reduction at the given element counts.
+int exercise_all(Communicator& comm, const std::vector<size_t>& counts, bool full_matrix) {
+  const int world = comm.size(), rank = comm.rank();
+  size_t wrong = 0;
+  for (DataType t : all_types) {
+    const size_t e = size_of(t);
+    for (size_t count : counts) {
+      for (ReduceOp op : all_ops) {
+        if (!full_matrix && op != ReduceOp::sum && op != ReduceOp::avg) continue;
+        std::vector<uint8_t> in(count * e + 1), out(count * e + 1, 0xee);
+        for (size_t i = 0; i < count; ++i) store(t, in.data(), i, input_value(rank, i));
+        // out of place, then in place
+        CHECK_OK(comm.allreduce(in.data(), out.data(), count, t, op), "allreduce");
+        wrong += compare("allreduce", t, op, out.data(), count, world, rank);
+        CHECK_OK(comm.allreduce(in.data(), in.data(), count, t, op), "allreduce in place");
+        wrong += compare("allreduce in place", t, op, in.data(), count, world, rank);
+      }
+      // reduce-scatter: block r of a world*count vector.
+      {
+        const ReduceOp op = full_matrix ? ReduceOp::max : ReduceOp::sum;
+        std::vector<uint8_t> in(count * e * size_t(world) + 1), out(count * e + 1);
+        for (size_t i = 0; i < count * size_t(world); ++i) store(t, in.data(), i, input_value(rank, i));
+        CHECK_OK(comm.reduce_scatter(in.data(), out.data(), count, t, op), "reduce_scatter");
+        wrong += compare("reduce_scatter", t, op, out.data(), count, world, rank, size_t(rank) * count);
+        for (ReduceOp o2 : {ReduceOp::sum, ReduceOp::avg}) {
+          for (size_t i = 0; i < count * size_t(world); ++i) store(t, in.data(), i, input_value(rank, i));
+          CHECK_OK(comm.reduce_scatter(in.data(), in.data() + size_t(rank) * count * e, count, t, o2), "reduce_scatter in place");
+          wrong += compare("reduce_scatter in place", t, o2, in.data() + size_t(rank) * count * e, count, world, rank, size_t(rank) * count);
+        }
+      }
+      // allgather: block r comes from rank r.
+      {
+        std::vector<uint8_t> mine(count * e + 1), all(count * e * size_t(world) + 1);
+        for (size_t i = 0; i < count; ++i) store(t, mine.data(), i, double((rank + 1) * 3 + i % 7));
+        CHECK_OK(comm.allgather(mine.data(), all.data(), count, t), "allgather");
+        for (int r = 0; r < world; ++r)
+          for (size_t i = 0; i < count; ++i)
+            if (load(t, all.data(), size_t(r) * count + i) != load(t, mine.data(), i) - double((rank + 1) * 3) + double((r + 1) * 3)) {
+              if (!wrong) std::fprintf(stderr, "rank %d: allgather %s count %zu: block %d [%zu] wrong\n", rank, to_string(t), count, r, i);
+              ++wrong;
+            }
+      }
+      // broadcast from every root.
+      for (int root = 0; root < world; ++root) {
+        std::vector<uint8_t> buffer(count * e + 1);
+        for (size_t i = 0; i < count; ++i) store(t, buffer.data(), i, rank == root ? double(root + 1 + i % 11) : -1.0);
+        CHECK_OK(comm.broadcast(buffer.data(), count, t, root), "broadcast");
+        for (size_t i = 0; i < count; ++i)
+          if (load(t, buffer.data(), i) != double(root + 1 + i % 11)) {
+            if (!wrong) std::fprintf(stderr, "rank %d: broadcast %s root %d count %zu: [%zu] wrong\n", rank, to_string(t), root, count, i);
+            ++wrong;
+          }
+      }
+    }
+  }
+  CHECK_OK(comm.barrier(), "barrier");
+  return wrong ? 3 : 0;
+}
+
+void expect_all_zero(const std::vector<int>& codes) {
+  for (size_t r = 0; r < codes.size(); ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
+}
+
+// Chunks of 8 KiB so that a few MiB cross many pipelined chunks; sizes cover
+// 0, 1, counts below, at and above the rank count and odd counts, below and
+// above the recursive-doubling threshold.
+void small_chunks(CommunicatorOptions& o) {
+  o.chunk_bytes = 8192;
+  o.small_message_bytes = 4096;
+}
+
+}  // namespace
+
+TEST(Collectives, EveryOperationTypeAndReductionOnTwoRanks) {
+  expect_all_zero(run_ranks(2, [](Communicator& c, int) { return exercise_all(c, {0, 1, 2, 3, 1001, 12347}, true); }, small_chunks));
+}
+
+TEST(Collectives, EveryOperationTypeAndReductionOnThreeRanks) {
+  expect_all_zero(run_ranks(3, [](Communicator& c, int) { return exercise_all(c, {0, 1, 2, 5, 1001, 12347}, true); }, small_chunks));
+}
+
+TEST(Collectives, EveryOperationTypeAndReductionOnFourRanks) {
+  expect_all_zero(run_ranks(4, [](Communicator& c, int) { return exercise_all(c, {0, 3, 4, 7, 4099}, true); }, small_chunks));
+}
+
+TEST(Collectives, SeveralMebibytesWithDefaultChunks) {
+  // 3 ranks, 2^20 + 3 elements: 4 MiB of float, 8 MiB of double and int64.
+  expect_all_zero(run_ranks(3, [](Communicator& c, int) { return exercise_all(c, {(1u << 20) + 3}, false); }));
+}
+
+TEST(Collectives, CorrectUnderInjectedLossDuplicationAndReordering) {
+  auto faults = [](CommunicatorOptions& o) {
+    small_chunks(o);
+    o.context.faults = FaultOptions{0.02, 0.01, 0.02, 0};
+  };
+  expect_all_zero(run_ranks(3, [](Communicator& c, int) { return exercise_all(c, {1, 7, 3001, 40000}, false); }, faults));
+}
+
+TEST(Collectives, ForcedAlgorithmsAgreeOnNonPowerOfTwoRanks) {
+  for (auto algorithm : {AllreduceAlgorithm::ring, AllreduceAlgorithm::recursive_doubling}) {
+    auto forced = [algorithm](CommunicatorOptions& o) {
+      small_chunks(o);
+      o.allreduce_algorithm = algorithm;
+    };
+    expect_all_zero(run_ranks(3, [](Communicator& c, int) { return exercise_all(c, {1, 2, 999, 20001}, false); }, forced));
+  }
+}
+
+TEST(Collectives, RoceModeToo) {
+  auto roce = [](CommunicatorOptions& o) {
+    small_chunks(o);
+    o.context.mode = Mode::roce;
+  };
+  expect_all_zero(run_ranks(2, [](Communicator& c, int) { return exercise_all(c, {5, 30001}, false); }, roce));
+}
+
+TEST(Collectives, ADeadRankFailsTheOthersWithinTheTimeout) {
+  auto short_timeout = [](CommunicatorOptions& o) { o.timeout = 2s; };
+  const auto codes = run_ranks(
+      3,
+      [](Communicator& comm, int rank) {
+        if (rank == 2) _exit(0);  // dies without a word
+        std::vector<float> v(100000, 1.0f);
+        Status s = comm.allreduce(v.data(), v.data(), v.size(), DataType::float32, ReduceOp::sum);
+        if (s.ok()) return 1;
+        std::fprintf(stderr, "rank %d got the expected error: %s\n", rank, s.to_string().c_str());
+        // The communicator stays broken with the same error.
+        Status again = comm.barrier();
+        return again.ok() ? 4 : (s.code() == Errc::timeout || s.code() == Errc::io_error ? 0 : 5);
+      },
+      short_timeout, 60s);
+  EXPECT_EQ(codes[0], 0);
+  EXPECT_EQ(codes[1], 0);
+  EXPECT_EQ(codes[2], 0);
+}
+
+TEST(Collectives, AHungRankFailsTheOthersWithinTheTimeout) {
+  auto short_timeout = [](CommunicatorOptions& o) { o.timeout = 2s; };
+  const auto codes = run_ranks(
+      2,
+      [](Communicator& comm, int rank) -> int {
+        if (rank == 1) raise(SIGSTOP);  // hangs (engine thread included) until the harness kills it
+        std::vector<int32_t> v(10, 1);
+        Status s = comm.allreduce(v.data(), v.data(), v.size(), DataType::int32, ReduceOp::sum);
+        std::fprintf(stderr, "rank %d: %s\n", rank, s.to_string().c_str());
+        _exit(s.ok() ? 1 : 0);  // skip the goodbye: the peer is stopped
+      },
+      short_timeout, 15s);
+  EXPECT_EQ(codes[0], 0);
+  EXPECT_EQ(codes[1], -SIGKILL);
+}
+
+TEST(Collectives, MismatchedCountsOrTypesGetAnErrorNotCorruptData) {
+  for (int variant = 0; variant < 3; ++variant) {
+    auto short_timeout = [](CommunicatorOptions& o) { o.timeout = 5s; };
+    const auto codes = run_ranks(
+        2,
+        [variant](Communicator& comm, int rank) {
+          std::vector<float> v(300000, 1.0f);
+          Status s;
+          if (variant == 0) s = comm.allreduce(v.data(), v.data(), rank == 0 ? 1000 : 2000, DataType::float32, ReduceOp::sum);
+          if (variant == 1) s = comm.allreduce(v.data(), v.data(), 1000, rank == 0 ? DataType::float32 : DataType::int32, ReduceOp::sum);
+          if (variant == 2) s = comm.allreduce(v.data(), v.data(), rank == 0 ? 200000 : 100000, DataType::float32, ReduceOp::max);
+          if (s.ok()) return 1;
+          std::fprintf(stderr, "rank %d (variant %d): %s\n", rank, variant, s.to_string().c_str());
+          return 0;
+        },
+        short_timeout, 60s);
+    EXPECT_EQ(codes[0], 0) << "variant " << variant;
+    EXPECT_EQ(codes[1], 0) << "variant " << variant;
+  }
+}
+
+TEST(Collectives, RanksThatDisagreeOnJobParametersFailAtBootstrap) {
+  auto disagree = [](CommunicatorOptions& o) {
+    o.timeout = 5s;
+    if (o.rank == 1) o.chunk_bytes = 16384;  // job parameters must match too
+  };
+  const auto codes = run_ranks(2, [](Communicator&, int) { return 0; }, disagree, 30s);
+  EXPECT_NE(codes[0], 0);
+  EXPECT_NE(codes[1], 0);
+}
+
+TEST(Collectives, ASingleRankWorldCopies) {
+  const auto codes = run_ranks(1, [](Communicator& c, int) { return exercise_all(c, {0, 5, 100}, true); });
+  expect_all_zero(codes);
+}
+
+TEST(CommunicatorOptions, ReadsTorchrunAndMpirunEnvironments) {
+  unsetenv("OMPI_COMM_WORLD_RANK");
+  unsetenv("OMPI_COMM_WORLD_SIZE");
+  setenv("RANK", "3", 1);
+  setenv("WORLD_SIZE", "8", 1);
+  setenv("MASTER_ADDR", "10.1.2.3", 1);
+  setenv("MASTER_PORT", "1234", 1);
+  auto o = CommunicatorOptions::from_environment();
+  ASSERT_TRUE(o.ok()) << o.status().to_string();
+  EXPECT_EQ(o->rank, 3);
+  EXPECT_EQ(o->world_size, 8);
+  EXPECT_EQ(o->master_address, "10.1.2.3");
+  EXPECT_EQ(o->master_port, 1234);
+
+  unsetenv("RANK");
+  unsetenv("WORLD_SIZE");
+  setenv("OMPI_COMM_WORLD_RANK", "1", 1);
+  setenv("OMPI_COMM_WORLD_SIZE", "2", 1);
+  setenv("STELLAR_COLL_TIMEOUT_MS", "1500", 1);
+  o = CommunicatorOptions::from_environment();
+  ASSERT_TRUE(o.ok());
+  EXPECT_EQ(o->rank, 1);
+  EXPECT_EQ(o->world_size, 2);
+  EXPECT_EQ(o->timeout, 1500ms);
+
+  setenv("OMPI_COMM_WORLD_RANK", "2", 1);  // rank >= size
+  EXPECT_EQ(CommunicatorOptions::from_environment().status().code(), Errc::invalid_argument);
+  setenv("OMPI_COMM_WORLD_RANK", "x", 1);
+  EXPECT_EQ(CommunicatorOptions::from_environment().status().code(), Errc::invalid_argument);
+  unsetenv("OMPI_COMM_WORLD_RANK");
+  unsetenv("OMPI_COMM_WORLD_SIZE");
+  EXPECT_EQ(CommunicatorOptions::from_environment().status().code(), Errc::invalid_argument);
+  for (const char* v : {"MASTER_ADDR", "MASTER_PORT", "STELLAR_COLL_TIMEOUT_MS"}) unsetenv(v);
+}
+
+TEST(Reduce, SixteenBitFloatsRoundToNearestEven) {
+  EXPECT_EQ(detail::float_to_half(1.0f), 0x3c00);
+  EXPECT_EQ(detail::float_to_half(65504.0f), 0x7bff);
+  EXPECT_EQ(detail::float_to_half(65520.0f), 0x7c00);  // rounds to infinity
+  EXPECT_EQ(detail::float_to_half(-2.0f), 0xc000);
+  EXPECT_EQ(detail::float_to_half(0x1p-24f), 0x0001);  // smallest subnormal
+  EXPECT_EQ(detail::float_to_half(1.0f + 0x1p-11f), 0x3c00);  // tie: to even
+  EXPECT_EQ(detail::float_to_half(1.0f + 3 * 0x1p-11f), 0x3c02);
+  EXPECT_TRUE(std::isnan(detail::half_to_float(detail::float_to_half(NAN))));
+  for (uint32_t h = 0; h < 0x7c00; ++h) EXPECT_EQ(detail::float_to_half(detail::half_to_float(uint16_t(h))), h);
+  EXPECT_EQ(detail::float_to_bfloat16(1.0f), 0x3f80);
+  EXPECT_EQ(detail::float_to_bfloat16(1.0f + 0x1p-8f), 0x3f80);  // tie: to even
+  EXPECT_EQ(detail::float_to_bfloat16(1.0f + 3 * 0x1p-8f), 0x3f82);
+  EXPECT_TRUE(std::isnan(detail::bfloat16_to_float(detail::float_to_bfloat16(NAN))));
+}
+
+TEST(Reduce, KernelsMatchScalarArithmetic) {
+  std::vector<float> a(1000), b(1000), out(1000);
+  for (size_t i = 0; i < a.size(); ++i) a[i] = float(i) * 0.5f, b[i] = 1000.0f - float(i);
+  detail::reduce(DataType::float32, ReduceOp::max, out.data(), a.data(), b.data(), a.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(out[i], std::max(a[i], b[i]));
+  detail::reduce(DataType::float32, ReduceOp::prod, a.data(), a.data(), b.data(), a.size());  // in place
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i], float(i) * 0.5f * (1000.0f - float(i)));
+  std::vector<int64_t> x{-7, 9, 10}, y{2, 2, 2};
+  detail::reduce(DataType::int64, ReduceOp::sum, x.data(), x.data(), y.data(), 3);
+  detail::divide(DataType::int64, x.data(), 3, 2);
+  EXPECT_EQ(x, (std::vector<int64_t>{-2, 5, 6}));
+}
