@@ -1,0 +1,135 @@
+// A stand-in for libcuda.so.1 that exports the driver entry points Stellar
+// resolves, so the loader's success path, pointer queries, dma-buf export and
+// staged copies run in tests on machines without a GPU. "Device memory" is
+// one host buffer that cuMemAlloc hands out; copies are memcpy. fake_cuda_*
+// functions let the test steer and observe it (dlsym them from the handle).
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+using CUresult = int;
+using CUdeviceptr = unsigned long long;
+
+namespace {
+constexpr size_t arena_size = 1 << 20;
+alignas(65536) unsigned char arena[arena_size];  // the "device memory"
+size_t allocated = 0;                            // bytes of the single live allocation; 0 = none
+unsigned long long buffer_id = 1;
+int dmabuf_supported = 1;
+int primary_retained = 0, streams = 0, pinned = 0;
+thread_local std::vector<void*> context_stack;
+CUdeviceptr last_export_start = 0;
+size_t last_export_size = 0;
+
+bool in_allocation(CUdeviceptr p) {
+  auto base = reinterpret_cast<uintptr_t>(arena);
+  return allocated && p >= base && p < base + allocated;
+}
+}  // namespace
+
+extern "C" {
+// ---- test controls ----
+void fake_cuda_set_dmabuf_supported(int v) { dmabuf_supported = v; }
+int fake_cuda_primary_retained() { return primary_retained; }
+int fake_cuda_streams() { return streams; }
+int fake_cuda_pinned() { return pinned; }
+int fake_cuda_context_depth() { return static_cast<int>(context_stack.size()); }
+void fake_cuda_last_export(CUdeviceptr* start, size_t* size) { *start = last_export_start, *size = last_export_size; }
+
+// ---- driver API ----
+CUresult cuInit(unsigned) {
+  const char* forced = std::getenv("FAKE_CUDA_INIT_RESULT");
+  return forced ? std::atoi(forced) : 0;
+}
+CUresult cuDriverGetVersion(int* v) { *v = 13000; return 0; }
+CUresult cuGetErrorString(CUresult r, const char** text) {
+  *text = r == 100 ? "no CUDA-capable device is detected" : r == 1 ? "invalid argument" : "fake error";
+  return 0;
+}
+CUresult cuDeviceGetCount(int* n) { *n = 1; return 0; }
+CUresult cuDeviceGet(int* d, int ordinal) { if (ordinal != 0) return 101; *d = 0; return 0; }
+CUresult cuDeviceGetAttribute(int* value, int attribute, int) {
+  *value = attribute == 124 ? dmabuf_supported : attribute == 41 ? 1 : 0;
+  return 0;
+}
+CUresult cuPointerGetAttribute(void* data, int attribute, CUdeviceptr p) {
+  if (attribute != 2) return 1;
+  if (!in_allocation(p)) return 1;  // like the real one: an error for unknown pointers
+  *static_cast<unsigned*>(data) = 2;
+  return 0;
+}
+CUresult cuPointerGetAttributes(unsigned count, int* attributes, void** data, CUdeviceptr p) {
+  const bool device = in_allocation(p);
+  for (unsigned i = 0; i < count; ++i) {
+    switch (attributes[i]) {
+      case 2: *static_cast<unsigned*>(data[i]) = device ? 2 : 0; break;
+      case 9: *static_cast<int*>(data[i]) = device ? 0 : -1; break;
+      case 11: *static_cast<CUdeviceptr*>(data[i]) = device ? reinterpret_cast<uintptr_t>(arena) : 0; break;
+      case 12: *static_cast<size_t*>(data[i]) = device ? allocated : 0; break;
+      case 7: *static_cast<unsigned long long*>(data[i]) = device ? buffer_id : 0; break;
+      case 8: *static_cast<unsigned*>(data[i]) = 0; break;
+      default: return 1;
+    }
+  }
+  return 0;
+}
+CUresult cuMemGetHandleForAddressRange(void* handle, CUdeviceptr start, size_t size, int type, unsigned long long) {
+  const auto page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  if (type != 1 || start % page || size % page || !in_allocation(start) || !in_allocation(start + size - 1)) return 1;
+  last_export_start = start, last_export_size = size;
+  const int fd = memfd_create("fake-dmabuf", MFD_CLOEXEC);
+  if (fd < 0) return 999;
+  *static_cast<int*>(handle) = fd;
+  return 0;
+}
+CUresult cuDevicePrimaryCtxRetain(void** ctx, int) { ++primary_retained; *ctx = reinterpret_cast<void*>(0x10); return 0; }
+CUresult cuDevicePrimaryCtxRelease_v2(int) { --primary_retained; return 0; }
+CUresult cuCtxGetCurrent(void** ctx) { *ctx = context_stack.empty() ? nullptr : context_stack.back(); return 0; }
+CUresult cuCtxSetCurrent(void* ctx) { if (context_stack.empty()) context_stack.push_back(ctx); else context_stack.back() = ctx; return 0; }
+CUresult cuCtxPushCurrent_v2(void* ctx) { context_stack.push_back(ctx); return 0; }
+CUresult cuCtxPopCurrent_v2(void** ctx) {
+  if (context_stack.empty()) return 201;
+  if (ctx) *ctx = context_stack.back();
+  context_stack.pop_back();
+  return 0;
+}
+CUresult cuCtxSynchronize() { return 0; }
+CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t bytes) {
+  if (allocated || bytes == 0 || bytes > arena_size) return 2;  // out of memory: one allocation at a time
+  allocated = bytes;
+  *p = reinterpret_cast<uintptr_t>(arena);
+  return 0;
+}
+CUresult cuMemFree_v2(CUdeviceptr p) {
+  if (!allocated || p != reinterpret_cast<uintptr_t>(arena)) return 1;
+  allocated = 0;
+  ++buffer_id;
+  return 0;
+}
+CUresult cuMemHostAlloc(void** p, size_t bytes, unsigned) {
+  *p = std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096);
+  if (!*p) return 2;
+  ++pinned;
+  return 0;
+}
+CUresult cuMemFreeHost(void* p) { std::free(p); --pinned; return 0; }
+CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void* s, size_t n) { std::memcpy(reinterpret_cast<void*>(d), s, n); return 0; }
+CUresult cuMemcpyDtoH_v2(void* d, CUdeviceptr s, size_t n) { std::memcpy(d, reinterpret_cast<void*>(s), n); return 0; }
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void* s, size_t n, void* stream) {
+  if (!stream || !in_allocation(d) || !in_allocation(d + n - 1)) return 1;
+  std::memcpy(reinterpret_cast<void*>(d), s, n);
+  return 0;
+}
+CUresult cuMemcpyDtoHAsync_v2(void* d, CUdeviceptr s, size_t n, void* stream) {
+  if (!stream || !in_allocation(s) || !in_allocation(s + n - 1)) return 1;
+  std::memcpy(d, reinterpret_cast<void*>(s), n);
+  return 0;
+}
+CUresult cuStreamCreate(void** stream, unsigned) { ++streams; *stream = reinterpret_cast<void*>(0x20); return 0; }
+CUresult cuStreamSynchronize(void*) { return 0; }
+CUresult cuStreamDestroy_v2(void*) { --streams; return 0; }
+}
