@@ -147,9 +147,24 @@ Result<PointerInfo> query_pointer(const CudaDriver& driver, const void* pointer)
 }
 
 MemoryKind memory_kind(const void* pointer) {
-  auto driver = CudaDriver::load();
+  // Remember failed loads too: this runs per registration, and a failing
+  // dlopen searches the library path every time. Keyed by name so a changed
+  // STELLAR_CUDA_LIBRARY is honoured.
+  static std::mutex mutex;
+  static auto* attempted = new std::map<std::string, const CudaDriver*>();  // nullptr: not loadable
+  const CudaDriver* driver = nullptr;
+  {
+    const std::string name = CudaDriver::default_library();
+    std::lock_guard lock(mutex);
+    auto it = attempted->find(name);
+    if (it == attempted->end()) {
+      auto loaded = CudaDriver::load(name);
+      it = attempted->emplace(name, loaded ? *loaded : nullptr).first;
+    }
+    driver = it->second;
+  }
   if (!driver) return MemoryKind::host;
-  auto info = query_pointer(**driver, pointer);
+  auto info = query_pointer(*driver, pointer);
   return info ? info->kind : MemoryKind::host;
 }
 

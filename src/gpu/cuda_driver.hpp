@@ -141,8 +141,9 @@ struct PointerInfo {
 // (malloc'd memory) are host. Fails only when the driver call itself fails.
 Result<PointerInfo> query_pointer(const CudaDriver&, const void* pointer);
 
-// The process's answer: loads the default library on first use and says
-// host for every pointer when CUDA is absent or the query fails.
+// The process's answer: loads the default library on first use (one attempt
+// per library name, failures remembered) and says host for every pointer
+// when CUDA is absent or the query fails. Thread-safe.
 MemoryKind memory_kind(const void* pointer);
 
 // ---- dma-buf export of device memory (for ibv_reg_dmabuf_mr) ----
