@@ -7,7 +7,7 @@ packages=(
   zlib1g-dev libibverbs-dev librdmacm-dev ibverbs-providers
   libasio-dev nlohmann-json3-dev libcli11-dev libspdlog-dev libfmt-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  sockperf ucx-utils python3
+  sockperf ucx-utils libgloo-dev openmpi-bin libopenmpi-dev python3
   clang libclang-rt-14-dev
 )
 missing=()

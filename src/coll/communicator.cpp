@@ -326,6 +326,7 @@ class Comm final : public Communicator {
   std::vector<Peer> peers_;  // indexed by rank; peers_[rank_] unused
   uint32_t max_send_wr_ = 0, recv_depth_ = 0;
   Status broken_;
+  bool connected_ = false;  // bootstrap finished: peers expect a goodbye
   uint64_t call_sequence_ = 0;
   uint16_t call_tag_ = 0;
   const char* call_name_ = "";
@@ -413,6 +414,7 @@ Status Comm::bootstrap() {
   std::vector<json> table;
   Status s = rank_ == 0 ? serve_rendezvous(own, table) : join_rendezvous(own, table, deadline);
   if (!s.ok()) return s;
+  connected_ = true;
   log().info("coll: rank {}/{} connected to all peers ({} mode, {} slots of {} KiB per peer)", rank_, size_, to_string(options_.context.mode),
              options_.slots, options_.chunk_bytes / 1024);
   return {};
@@ -694,7 +696,7 @@ Status Comm::end_call(Status s) {
 }
 
 void Comm::say_goodbye() {
-  if (!broken_.ok() || size_ == 1 || !cq_) return;
+  if (!broken_.ok() || !connected_) return;
   // Tell every peer we are gone, and stay until they have all said so too
   // and acknowledged our last messages; bounded, since a peer may be dead.
   call_name_ = "communicator destruction";

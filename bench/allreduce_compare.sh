@@ -1,0 +1,85 @@
+#!/bin/bash
+# Allreduce side by side, one invocation, same machine, same rank count and
+# sizes: stellar_allreduce, Gloo's ring allreduce over TCP (gloo_allreduce)
+# and Open MPI's MPI_Allreduce over TCP and over shared memory
+# (mpi_allreduce). float sum, in place, sizes 1 KiB..64 MiB by 4x. Each
+# figure is the median of ROUNDS runs (default 3), the programs alternating
+# so that drift on a shared machine hits all of them. Prints busbw (GB/s,
+# nccl-tests' definition) per size with Stellar's ratios to each peer, and the
+# 1 KiB times; writes the table as JSON to OUT (default
+# bench-results/allreduce.json).
+# Usage: bench/allreduce_compare.sh BUILD_DIR [ROUNDS] [RANKS] [OUT] [-- extra stellar_allreduce options]
+set -euo pipefail
+build=${1:-build}
+rounds=${2:-3}
+ranks=${3:-2}
+out=${4:-bench-results/allreduce.json}
+shift $(( $# < 4 ? $# : 4 ))
+[[ ${1:-} == -- ]] && shift
+extra=("$@")
+sweep=(-b 1K -e 64M -f 4 -n 10 -w 3)
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+mkdir -p "$(dirname "$out")"
+
+mpi=(mpirun --allow-run-as-root --oversubscribe -np "$ranks" --bind-to none)
+run() {  # tool round
+  local f="$work/$1.$2"
+  case $1 in
+    stellar) "$build/examples/stellar_allreduce" -N "$ranks" "${sweep[@]}" -c 0 "${extra[@]}" > "$f" ;;
+    gloo) "$build/bench/gloo_allreduce" -N "$ranks" "${sweep[@]}" > "$f" ;;
+    mpi_tcp) "${mpi[@]}" --mca btl self,tcp "$build/bench/mpi_allreduce" "${sweep[@]}" > "$f" 2> /dev/null ;;
+    mpi_shm) "${mpi[@]}" --mca btl self,vader "$build/bench/mpi_allreduce" "${sweep[@]}" > "$f" 2> /dev/null ;;
+  esac
+}
+
+tools=(stellar gloo mpi_tcp mpi_shm)
+total=$((rounds * ${#tools[@]})); n=0; started=$(date +%s)
+for ((r = 1; r <= rounds; r++)); do
+  for t in "${tools[@]}"; do
+    n=$((n + 1))
+    elapsed=$(($(date +%s) - started))
+    left=$(( n > 1 ? elapsed * (total - n + 1) / (n - 1) : 0 ))
+    printf '[%2d/%d] %-8s round %d   (elapsed %ds, about %ds left)\n' "$n" "$total" "$t" "$r" "$elapsed" "$left" >&2
+    run "$t" "$r"
+  done
+done
+
+python3 - "$work" "$rounds" "$ranks" "$out" "${tools[@]}" <<'PY'
+import json, statistics, sys, platform, os
+work, rounds, ranks, out, tools = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5:]
+# nccl-tests rows: size count type redop time algbw busbw #wrong [in-place group]
+results = {}  # tool -> size -> {"time": [...], "busbw": [...]}
+for t in tools:
+    for r in range(1, rounds + 1):
+        for line in open(f"{work}/{t}.{r}"):
+            f = line.split()
+            if len(f) >= 8 and f[0].isdigit():
+                size = int(f[0])
+                # stellar_allreduce prints out-of-place then in-place; the peers run in place: compare in place.
+                time, busbw = (float(f[8]), float(f[10])) if len(f) >= 12 else (float(f[4]), float(f[6]))
+                d = results.setdefault(t, {}).setdefault(size, {"time": [], "busbw": []})
+                d["time"].append(time); d["busbw"].append(busbw)
+med = {t: {s: {k: statistics.median(v) for k, v in d.items()} for s, d in sz.items()} for t, sz in results.items()}
+sizes = sorted(med.get("stellar", {}))
+def human(b):
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if b >= scale: return f"{b // scale} {unit}"
+    return f"{b} B"
+print(f"\nallreduce, float sum, in place, {ranks} ranks, medians of {rounds} rounds")
+print(f"{'size':>9} | {'busbw GB/s: stellar':>19} {'gloo':>6} {'mpi-tcp':>8} {'mpi-shm':>8} | {'vs gloo':>7} {'vs mpi-tcp':>10} {'vs mpi-shm':>10} | {'time us: stellar':>16} {'gloo':>8} {'mpi-tcp':>8}")
+rows = []
+for s in sizes:
+    g = lambda t, k: med.get(t, {}).get(s, {}).get(k, float("nan"))
+    ratio = lambda a, b: a / b if b and b == b else float("nan")
+    row = {"bytes": s, **{f"{t}_busbw": g(t, "busbw") for t in tools}, **{f"{t}_time_us": g(t, "time") for t in tools}}
+    rows.append(row)
+    print(f"{human(s):>9} | {g('stellar','busbw'):19.3f} {g('gloo','busbw'):6.3f} {g('mpi_tcp','busbw'):8.3f} {g('mpi_shm','busbw'):8.3f} | "
+          f"{ratio(g('stellar','busbw'), g('gloo','busbw')):7.2f} {ratio(g('stellar','busbw'), g('mpi_tcp','busbw')):10.2f} {ratio(g('stellar','busbw'), g('mpi_shm','busbw')):10.2f} | "
+          f"{g('stellar','time'):16.1f} {g('gloo','time'):8.1f} {g('mpi_tcp','time'):8.1f}")
+small = med.get("stellar", {}).get(1024, {}).get("time"), med.get("gloo", {}).get(1024, {}).get("time")
+if all(small):
+    print(f"\n1 KiB: stellar {small[0]:.1f} us = {small[0] / small[1]:.2f}x Gloo's {small[1]:.1f} us (target <= 0.25x)")
+json.dump({"machine": f"{platform.node()} {os.cpu_count()} cpus", "ranks": ranks, "rounds": rounds, "rows": rows}, open(out, "w"), indent=1)
+print(f"JSON: {out}")
+PY

@@ -1,0 +1,53 @@
+#!/bin/bash
+# Runs stellar_allreduce the three ways users launch it — forked local ranks
+# (-N), a torchrun-style environment, and mpirun — and checks the
+# nccl-tests-style table, the zero-wrong summary and the exit status; then a
+# job whose second rank never comes must fail, not hang.
+set -euo pipefail
+bin="$1"
+work=$(mktemp -d)
+trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
+row='^ +[0-9]+ +[0-9]+ +(float|half|bfloat16|double|int32|int64) +(sum|prod|min|max|avg) +[0-9.]+ +[0-9.]+ +[0-9.]+ +0 +[0-9.]+ +[0-9.]+ +[0-9.]+ +0$'
+
+check_table() {  # file, expected number of result rows
+  grep -q '#       size         count      type   redop     time   algbw   busbw #wrong' "$1" || { echo "no column header"; cat "$1"; exit 1; }
+  grep -q '^# Out of bounds values : 0 OK' "$1" || { echo "wrong values reported"; cat "$1"; exit 1; }
+  grep -q '^# Avg bus bandwidth    : [0-9.e+-]\+' "$1" || { echo "no average bus bandwidth"; cat "$1"; exit 1; }
+  local rows
+  rows=$(grep -Ec "$row" "$1" || true)
+  [[ $rows -eq $2 ]] || { echo "expected $2 result rows, found $rows"; cat "$1"; exit 1; }
+}
+
+echo "--- 3 forked ranks, every type, every reduction (sizes 4 B .. 64 KiB)"
+"$bin" -N 3 -b 4 -e 64K -f 128 -n 2 -w 1 -d all -o all > "$work/forked" 
+cat "$work/forked"
+check_table "$work/forked" $((6 * 5 * 3))
+
+echo "--- torchrun-style environment, 2 ranks, 1 MiB..4 MiB (ring)"
+port=$((30000 + RANDOM % 20000))
+for r in 1 0; do
+  RANK=$r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port "$bin" -b 1M -e 4M -f 4 -n 3 -w 1 > "$work/env$r" 2>&1 &
+done
+wait
+check_table "$work/env0" 2
+cat "$work/env0"
+
+if command -v mpirun > /dev/null; then
+  echo "--- mpirun -np 2"
+  port=$((port + 1))
+  mpirun --allow-run-as-root --oversubscribe -np 2 -x MASTER_ADDR=127.0.0.1 -x MASTER_PORT=$port \
+    "$bin" -b 8K -e 8K -n 3 -w 1 -o avg > "$work/mpi" 2>&1
+  check_table "$work/mpi" 1
+  cat "$work/mpi"
+else
+  echo "--- mpirun not installed: that launch is not checked"
+fi
+
+echo "--- a rank that never arrives: rank 0 must fail within the timeout"
+port=$((port + 1))
+if RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port "$bin" --timeout 1500 -b 8 -e 8 > "$work/alone" 2>&1; then
+  echo "a job with a missing rank succeeded"; cat "$work/alone"; exit 1
+fi
+grep -q "ranks arrived within" "$work/alone" || { echo "unclear error:"; cat "$work/alone"; exit 1; }
+cat "$work/alone"
+echo "allreduce example: ok"
