@@ -54,6 +54,7 @@ const char* op_name() {
 struct Options {
   std::string server, mode = "stellar", provider = "soft", bind = "127.0.0.1", out_json;
   uint16_t port = 18515;
+  uint16_t udp_port = 0;  // 0: the provider picks (roce mode tries 4791); a fixed one pins the ECMP path on a testbed
   uint64_t size = bandwidth_test ? 65536 : 2;
   bool all = false, report_gbits = false;
   uint32_t iterations = bandwidth_test ? 5000 : 1000;
@@ -124,6 +125,7 @@ void setup(Side& side) {
   co.provider = check(parse_provider(o.provider), "provider");
   co.mode = check(parse_mode(o.mode), "mode");
   co.bind_address = o.bind;
+  co.udp_port = o.udp_port;
   co.mtu = o.mtu;
   side.ctx = check(Context::open(co), "open context");
   side.pd = check(side.ctx->allocate_pd(), "allocate PD");
@@ -375,6 +377,7 @@ int main(int argc, char** argv) {
   app.add_option("--provider", o.provider)->check(CLI::IsMember({"soft", "verbs"}))->capture_default_str();
   app.add_option("--mode", o.mode)->check(CLI::IsMember({"stellar", "roce"}))->capture_default_str();
   app.add_option("--bind", o.bind, "Local IPv4 address")->capture_default_str();
+  app.add_option("--udp_port", o.udp_port, "Local UDP port of the soft provider (0: any; roce mode tries 4791)")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   if (op == Op::atomic) o.size = 8;
   if (!bandwidth_test) o.qps = 1;
