@@ -8,7 +8,7 @@ packages=(
   libasio-dev nlohmann-json3-dev libcli11-dev libspdlog-dev libfmt-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   sockperf ucx-utils libgloo-dev openmpi-bin libopenmpi-dev python3
-  iproute2 nftables ethtool
+  iproute2 nftables ethtool iperf3 gnuplot-nox
   clang libclang-rt-14-dev
 )
 missing=()

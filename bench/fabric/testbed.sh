@@ -26,7 +26,7 @@
 #   set-rate L H RATE [LIMIT]             tbf on leaf L's downlink to host H (RATE e.g. 1gbit,
 #                                         "off" removes; LIMIT = queue bytes, default 256kb)
 #   counters                              packets forwarded by each spine (rx of its links)
-#   path L1 H1 L2 H2 SPORT DPORT          the spine leaf L1 picks for that UDP flow
+#   path L1 H1 L2 H2 SPORT DPORT [PROTO]  the spine leaf L1 picks for that flow (udp|tcp)
 set -euo pipefail
 P=${STB_PREFIX:-stb-}
 
@@ -230,11 +230,12 @@ cmd_counters() {
   done
 }
 
-cmd_path() {  # L1 H1 L2 H2 SPORT DPORT -> spine number
+cmd_path() {  # L1 H1 L2 H2 SPORT DPORT [PROTO] -> spine number
   require_up
-  (($# == 6)) || die "path L1 H1 L2 H2 SPORT DPORT"
+  (($# == 6 || $# == 7)) || die "path L1 H1 L2 H2 SPORT DPORT [udp|tcp]"
   local dev
-  dev=$(ip -n "$(leaf "$1")" route get "10.$3.$4.2" from "10.$1.$2.2" iif "to-h$2" ipproto udp sport "$5" dport "$6" |
+  # The kernel's own multipath lookup for a forwarded packet of that 5-tuple.
+  dev=$(ip -n "$(leaf "$1")" route get "10.$3.$4.2" from "10.$1.$2.2" iif "to-h$2" ipproto "${7:-udp}" sport "$5" dport "$6" |
     grep -o 'dev to-s[0-9]*' | head -1)
   [[ -n $dev ]] || die "no route"
   echo "${dev#dev to-s}"
