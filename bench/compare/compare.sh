@@ -52,7 +52,7 @@ records=$out/records.jsonl
 
 # Durations: long enough for a few thousand samples, short enough for the
 # whole run to fit in about 10-15 minutes at 3 rounds.
-lat_iters=5000 bw_seconds=3 sock_seconds=2 incast_seconds=8 incast_lat_iters=2000
+lat_iters=5000 bw_seconds=3 sock_seconds=2 incast_seconds=12 incast_lat_iters=1000
 if ((quick)); then lat_iters=2000 bw_seconds=1 sock_seconds=1; fi
 
 export STB_PREFIX=stb-cmp-

@@ -64,12 +64,16 @@ def build_rows(runs):
             rows.append((env, name, "GB/s", vals, ratio(vals["stellar"], vals["roce"]), "roce",
                          LOSS_MECHANISM[env] if loss else ""))
         if any(k[0] == env and k[1] == "incast" for k in runs):
+            note = "tbf 1gbit, 256 KB queue on leaf 2's downlink to the receiver"
+            for t in ("stellar", "roce"):
+                inside = runs.get((env, "incast", t, 64, 0.0), {}).get("inside", [])
+                if inside and min(inside) < 1:
+                    note += f"; {t}: latency run outlasted the incast in {inside.count(0.0)} of {len(inside)} rounds"
             for value, name, unit in (("p50", "incast 4:1, 64 B latency p50", "us"),
                                       ("p99", "incast 4:1, 64 B latency p99", "us"),
                                       ("gbps", "incast 4:1, aggregate goodput", "GB/s")):
                 vals = {t: median(runs, (env, "incast", t, 64, 0.0), value) for t in TRANSPORTS}
-                rows.append((env, name, unit, vals, ratio(vals["stellar"], vals["roce"]), "roce",
-                             "tbf 1gbit, 256 KB queue on leaf 2's downlink to the receiver"))
+                rows.append((env, name, unit, vals, ratio(vals["stellar"], vals["roce"]), "roce", note))
     return rows
 
 
@@ -125,6 +129,8 @@ def plots(runs, out):
             f.write(f'"{name}"\n' + "".join(f"{x} {y}\n" for x, y in pts) + "\n\n")
 
     def plot_cmd(n, data):
+        if n == 0:  # nothing measured for this plot (e.g. --only): an empty frame that says so
+            return "[1:2] -1 notitle"
         return ", ".join(f"'{data}' index {i} using 1:2 with linespoints title columnheader(1)" for i in range(n))
 
     script = f"""
@@ -137,7 +143,9 @@ set logscale x 2
 set logscale y
 set xlabel 'message size [bytes]'
 set ylabel 'latency [us]'
-plot {plot_cmd(len(series), lat_data) if series else "1/0 notitle"}
+{"set yrange [0:1]; set label 'no data' at graph 0.5,0.5 center" if not series else ""}
+plot {plot_cmd(len(series), lat_data)}
+unset label
 set output '{os.path.join(out, "goodput_loss.png")}'
 set title '1 MiB goodput vs loss rate'
 unset logscale x
@@ -145,7 +153,8 @@ unset logscale y
 set xlabel 'loss [%]'
 set ylabel 'goodput [GB/s]'
 set yrange [0:*]
-plot {plot_cmd(len(loss_series), loss_data) if loss_series else "1/0 notitle"}
+{"set yrange [0:1]; set label 'no data' at graph 0.5,0.5 center" if not loss_series else ""}
+plot {plot_cmd(len(loss_series), loss_data)}
 """
     subprocess.run(["gnuplot"], input=script, text=True, check=True)
 
@@ -168,6 +177,8 @@ def main():
     print()
     for env in sorted({r[0] for r in rows if r[6] and "loss" in r[1]}):
         print(f"loss on {ENV_NAMES[env]}: {LOSS_MECHANISM[env]}")
+    for note in sorted({r[6] for r in rows if r[1].startswith("incast")}):
+        print(f"incast: {note}")
     for t in tg:
         if t["ratio"] is not None:
             print(f"target: {t['target']}: ratio {t['ratio']:.2f} -> {'met' if t['met'] else 'NOT met'}")
