@@ -7,7 +7,8 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 build=$1
 out=$(mktemp -d)
-trap 'rm -rf "$out"' EXIT INT TERM
+trap 'rm -rf "$out"' EXIT
+trap 'exit 130' INT TERM
 log=$out/stdout.txt
 "$here/../../bench/compare/compare.sh" --quick --build "$build" --out "$out" | tee "$log"
 

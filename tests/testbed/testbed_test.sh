@@ -16,7 +16,8 @@ if (($(id -u) != 0)) || ! ip netns list > /dev/null 2>&1; then
   exit 77
 fi
 export STB_PREFIX="stbt-$case_name-"
-trap '"$testbed" down' EXIT INT TERM
+trap '"$testbed" down' EXIT
+trap 'exit 130' INT TERM  # an interrupt ends the test; the EXIT trap then tears down
 fail() { echo "FAIL: $*"; "$testbed" status || true; exit 1; }
 
 rx_packets() { "$testbed" exec "$1" "$2" cat /sys/class/net/eth0/statistics/rx_packets; }
