@@ -41,8 +41,9 @@ struct Options {
   int local_ranks = 0;
   std::string mode = "stellar", provider = "soft", algorithm = "auto";
   std::string chunk = "512K";
+  std::string cc = "auto";
   int timeout_ms = 30000;
-  bool busy_poll = false;
+  std::string wait;
   bool verbose = false;
 };
 
@@ -194,7 +195,8 @@ int run_rank(const Options& o, CommunicatorOptions co) {
     std::printf("# stellar_allreduce: nRanks %d minBytes %zu maxBytes %zu step: %s warmup iters: %d iters: %d validation: %d\n", comm.size(), *min_b,
                 *max_b, o.step_factor > 1 ? (std::to_string(o.step_factor) + "(factor)").c_str() : (std::to_string(*step_b) + "(bytes)").c_str(),
                 o.warmup, o.iterations, o.check);
-    std::printf("# transport: provider %s, mode %s, algorithm %s, chunk %s\n#\n", o.provider.c_str(), o.mode.c_str(), o.algorithm.c_str(), o.chunk.c_str());
+    std::printf("# transport: provider %s, mode %s, cc %s, wait %s, algorithm %s, chunk %s\n#\n", o.provider.c_str(), o.mode.c_str(), o.cc.c_str(),
+                o.wait.c_str(), o.algorithm.c_str(), o.chunk.c_str());
     std::printf("#                                              out-of-place                       in-place          \n");
     std::printf("#       size         count      type   redop     time   algbw   busbw #wrong     time   algbw   busbw #wrong\n");
     std::printf("#        (B)    (elements)                       (us)  (GB/s)  (GB/s)            (us)  (GB/s)  (GB/s)       \n");
@@ -275,10 +277,12 @@ int main(int argc, char** argv) {
   app.add_option("--mode", o.mode, "soft provider wire protocol: stellar or roce");
   app.add_option("--provider", o.provider, "soft or verbs");
   app.add_option("--algorithm", o.algorithm, "auto, ring or rd (recursive doubling)");
+  app.add_option("--cc", o.cc, "congestion control of the soft provider: auto, none, dcqcn or swift");
   app.add_option("--chunk", o.chunk, "pipelining chunk / landing slot size");
   app.add_option("--timeout", o.timeout_ms, "fail a call after this long without progress (ms)");
   app.add_flag("-v,--verbose", o.verbose, "print each rank's transport counters at the end");
-  app.add_flag("--busy-poll", o.busy_poll, "spin instead of spin-then-sleep while waiting (one core per rank)");
+  app.add_option("--wait", o.wait, "busy (spin: lowest latency, one core per rank) or adaptive (spin 50 us, then sleep); "
+                 "default: busy, or adaptive when -N forks more ranks than there are cores");
   CLI11_PARSE(app, argc, argv);
 
   CommunicatorOptions base;
@@ -290,9 +294,16 @@ int main(int argc, char** argv) {
   if (!chunk) die("--chunk", chunk.status());
   base.context.mode = *mode;
   base.context.provider = *provider;
-  base.context.wait = o.busy_poll ? WaitPolicy::busy_poll : WaitPolicy::adaptive;
+  const bool oversubscribed = o.local_ranks > int(std::thread::hardware_concurrency());
+  if (o.wait.empty()) o.wait = oversubscribed ? "adaptive" : "busy";
+  if (o.wait != "busy" && o.wait != "adaptive") die("--wait", Status(Errc::invalid_argument, "busy or adaptive"));
+  base.context.wait = o.wait == "busy" ? WaitPolicy::busy_poll : WaitPolicy::adaptive;
   base.chunk_bytes = *chunk;
   base.timeout = std::chrono::milliseconds(o.timeout_ms);
+  if (o.cc == "none") base.context.congestion_control = CongestionControl::none;
+  else if (o.cc == "dcqcn") base.context.congestion_control = CongestionControl::dcqcn;
+  else if (o.cc == "swift") base.context.congestion_control = CongestionControl::swift;
+  else if (o.cc != "auto") die("--cc", Status(Errc::invalid_argument, "auto, none, dcqcn or swift"));
   if (o.algorithm == "ring") base.allreduce_algorithm = AllreduceAlgorithm::ring;
   else if (o.algorithm == "rd") base.allreduce_algorithm = AllreduceAlgorithm::recursive_doubling;
   else if (o.algorithm != "auto") die("--algorithm", Status(Errc::invalid_argument, "auto, ring or rd"));

@@ -204,6 +204,9 @@ struct QpEngine::State {
   uint64_t probe_deadline = never;
   uint64_t rto = 0;
   uint64_t srtt = 0, rttvar = 0;
+  uint64_t latest_request_arrival = 0;  // arrival time of the latest request received (our ack's age)
+  uint64_t ack_host_delay = 0;          // host delay inside the RTT sample being processed
+  uint64_t transmit_now = 0;            // now of the transmit() call building packets
   uint32_t consecutive_timeouts = 0;
   uint32_t consecutive_rnr = 0;
   uint64_t rnr_until = 0;
@@ -443,9 +446,11 @@ struct QpEngine::State {
   }
 
   void after_acknowledgement(uint64_t now, uint64_t rtt, uint64_t bytes) {
-    if (rtt) update_rtt(rtt);
+    if (rtt) update_rtt(rtt);  // the timers must cover the whole delay, host included
     if (bytes) {
-      cc->on_ack(now, bytes, rtt);
+      // Congestion control reacts to the network's share of the delay only.
+      const uint64_t network = rtt > ack_host_delay ? rtt - ack_host_delay : (rtt ? 1 : 0);
+      cc->on_ack(now, bytes, network);
       consecutive_timeouts = 0;
       consecutive_rnr = 0;
       rto = rto_base();
@@ -796,6 +801,9 @@ struct QpEngine::State {
       h.has_ack = true;
       h.ack_psn = epsn;
       h.sack_bitmap = sack_bitmap();
+      h.ack_delay_ns = latest_request_arrival && transmit_now >= latest_request_arrival
+                           ? uint32_t(std::min<uint64_t>(transmit_now - latest_request_arrival, UINT32_MAX))
+                           : 0;
       unacked = 0;
       ack_due = never;
     }
@@ -1476,7 +1484,7 @@ PostResult QpEngine::post_receive(const ReceiveWork& work) {
   return PostResult::ok;
 }
 
-void QpEngine::receive(const uint8_t* data, size_t length, const IcrcAddresses& addresses, uint64_t now_ns) {
+void QpEngine::receive(const uint8_t* data, size_t length, const IcrcAddresses& addresses, uint64_t now_ns, uint64_t arrival_ns) {
   Header h;
   const DecodeError e = decode(s_->config.mode, data, length, addresses, h);
   if (e != DecodeError::none) {
@@ -1484,17 +1492,22 @@ void QpEngine::receive(const uint8_t* data, size_t length, const IcrcAddresses& 
     return;
   }
   s_->counters.rx_bytes += length;
-  receive_decoded(h, now_ns);
+  receive_decoded(h, now_ns, arrival_ns);
 }
 
-void QpEngine::receive_decoded(const Header& h, uint64_t now_ns) {
+void QpEngine::receive_decoded(const Header& h, uint64_t now_ns, uint64_t arrival_ns) {
   State& s = *s_;
   ++s.counters.rx_packets;
+  const uint64_t arrival = arrival_ns && arrival_ns <= now_ns ? arrival_ns : now_ns;
   if (h.dest_qpn != s.config.local_qpn || h.pkey != s.config.pkey) {
     ++s.counters.unexpected_packets;
     return;
   }
   if (s.error) return;
+  if (opcode_is_request(h.opcode)) s.latest_request_arrival = arrival;
+  // Host delay on both ends: this packet waited (now - arrival) for us to
+  // poll; the peer held what it acknowledges for ack_delay_ns.
+  s.ack_host_delay = (now_ns - arrival) + (s.config.mode == Mode::stellar && h.has_ack ? h.ack_delay_ns : 0);
   if (s.config.mode == Mode::stellar && h.has_ack) {
     uint64_t rtt = 0, bytes = 0;
     s.apply_cumulative(h.ack_psn, now_ns, rtt, bytes);
@@ -1513,6 +1526,7 @@ void QpEngine::receive_decoded(const Header& h, uint64_t now_ns) {
 
 size_t QpEngine::transmit(TxBuffer* buffers, size_t count, uint64_t now_ns) {
   State& s = *s_;
+  s.transmit_now = now_ns;
   s.cc->on_tick(now_ns);
   if (!s.error && s.rto_deadline <= now_ns && s.una != s.max_sent) s.on_timeout(now_ns);
   if (!s.error && s.probe_deadline <= now_ns && s.una != s.max_sent) s.on_probe(now_ns);

@@ -410,7 +410,7 @@ size_t write_headers(Mode mode, const Header& h, uint8_t* out, uint32_t pad) {
   put32(p + 12, h.psn);
   put32(p + 16, h.has_ack ? h.ack_psn : 0);
   put64(p + 20, h.has_ack ? h.sack_bitmap : 0);
-  put32(p + 28, 0);
+  put32(p + 28, h.has_ack ? h.ack_delay_ns : 0);
   p += stellar_base;
   if (opcode_is_write(h.opcode) || h.opcode == opcode::read_request) {
     put64(p, h.remote_addr);
@@ -546,6 +546,7 @@ DecodeError decode(Mode mode, const uint8_t* data, size_t length, const IcrcAddr
   h.psn = get32(data + 12);
   h.ack_psn = get32(data + 16);
   h.sack_bitmap = get64(data + 20);
+  h.ack_delay_ns = get32(data + 28);
   const uint8_t* p = data + stellar_base;
   if (opcode_is_write(h.opcode) || h.opcode == opcode::read_request) {
     h.remote_addr = get64(p);

@@ -548,7 +548,11 @@ Status Comm::connect_peers(const std::vector<json>& table) {
     // Between calls a rank may compute for a long time without polling, while
     // a peer already in the next call retransmits to it every rto_max: retry
     // for as long as the timeout allows, which then names the silent rank.
+    // rto_min 5 ms, not 1: ranks share cores with the job's own threads, and
+    // a rank descheduled for a few milliseconds must not look like loss
+    // (SACK and the tail probe still repair real loss within a round trip).
     QpTiming timing;
+    timing.rto_min = std::chrono::milliseconds(5);
     timing.retry_count = uint32_t(options_.timeout / timing.rto_max) + 8;
     if (Status s = control::to_rts(*p.qp, *remote, timing); !s.ok()) return s;
   }
@@ -666,6 +670,11 @@ Status Comm::release(Peer& p) {
 }
 
 Status Comm::wait_sent(Peer& p, uint64_t sequence, const char* what) {
+  if (p.sends_completed >= sequence) return {};
+  // The peer may be waiting for our acknowledgement just as we wait for its
+  // one (both sent, both received, both about to reuse their buffers): send
+  // ours now instead of after the transport's piggy-backing delay.
+  context_->flush_acknowledgements();
   while (p.sends_completed < sequence)
     if (Status s = pump(&p, what); !s.ok()) return s;
   return {};

@@ -13,7 +13,7 @@ namespace stellar::io {
 namespace {
 constexpr int max_batch = 64;
 constexpr int socket_buffer_bytes = 16 << 20;
-constexpr size_t control_bytes = CMSG_SPACE(sizeof(uint16_t)) + CMSG_SPACE(sizeof(int));
+constexpr size_t control_bytes = CMSG_SPACE(sizeof(uint16_t)) + CMSG_SPACE(sizeof(int)) + CMSG_SPACE(sizeof(timespec));
 constexpr uint32_t gso_max_bytes = 65000;  // UDP payload of one GSO message
 constexpr int gso_max_segments = 64;
 constexpr size_t max_parts = 20;          // iovecs of one datagram (header, payload pieces, trailer)
@@ -71,6 +71,9 @@ Status UdpSocket::open(const std::string& address, uint16_t port) {
   // GRO starts off: it costs about 0.1 us per datagram on a ping-pong and is
   // switched on by receive_batch when datagrams arrive in bulk.
   gro_supported_ = setsockopt(fd_, IPPROTO_UDP, UDP_GRO, &on, sizeof on) == 0;
+  // Arrival timestamps let the engine tell time spent waiting for this
+  // process to poll (host delay) from time on the network.
+  setsockopt(fd_, SOL_SOCKET, SO_TIMESTAMPNS, &on, sizeof on);
   set_gro(false);
   // GSO needs no option; probe that the kernel knows UDP_SEGMENT.
   int segment = 0;
@@ -131,11 +134,16 @@ int UdpSocket::receive_batch(Datagram* batch, int count) {
     // the decoder drops it (MSG_TRUNC).
     batch[i].length = (h.msg_flags & MSG_TRUNC) ? 0 : rx_messages_[size_t(i)].msg_len;
     batch[i].segment_size = 0;
+    batch[i].arrival_realtime_ns = 0;
     for (cmsghdr* c = h.msg_controllen ? CMSG_FIRSTHDR(&h) : nullptr; c; c = CMSG_NXTHDR(&h, c)) {
       if (c->cmsg_level == IPPROTO_UDP && c->cmsg_type == UDP_GRO) {
         int size = 0;
         std::memcpy(&size, CMSG_DATA(c), sizeof size);
         batch[i].segment_size = uint32_t(size);
+      } else if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_TIMESTAMPNS) {
+        timespec t;
+        std::memcpy(&t, CMSG_DATA(c), sizeof t);
+        batch[i].arrival_realtime_ns = uint64_t(t.tv_sec) * 1'000'000'000u + uint64_t(t.tv_nsec);
       }
     }
     datagrams += batch[i].segment_size ? (batch[i].length + batch[i].segment_size - 1) / batch[i].segment_size : 1;

@@ -22,6 +22,9 @@ struct Datagram {
   // Received with UDP GRO: `length` bytes hold several datagrams of
   // `segment_size` bytes each (the last may be shorter). 0: one datagram.
   uint32_t segment_size = 0;
+  // Receiving: when the kernel took the datagram in (CLOCK_REALTIME ns,
+  // SO_TIMESTAMPNS); 0 when the kernel gave no timestamp.
+  uint64_t arrival_realtime_ns = 0;
   // Sending only: when part_count > 0 the datagram is these pieces in order
   // (zero-copy gather of headers, payload in place, trailer); length is their total.
   const struct iovec* parts = nullptr;

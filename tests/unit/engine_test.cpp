@@ -493,3 +493,46 @@ INSTANTIATE_TEST_SUITE_P(Modes, EngineModes, ::testing::Values(Mode::stellar, Mo
                          [](const auto& info) { return std::string(to_string(info.param)); });
 
 }  // namespace
+
+// A responder that polls late (here 300 us after the request reached its
+// host) reports how long it held the acknowledgement; the requester's timers
+// still see the whole round trip, but its congestion control sees only the
+// network's share: Swift keeps growing instead of reading host delay as a
+// queue.
+TEST(EngineAckDelay, HostDelayIsReportedAndLeftOutOfTheCongestionSignal) {
+  EngineConfig base;
+  base.cc = CcAlgorithm::swift;
+  base.cc_config.base_rtt_ns = 10'000;
+  base.cc_config.swift_target_delay_ns = 50'000;
+  Pair p(Mode::stellar, ChannelFaults{}, 3, base);
+  std::vector<uint8_t> target(4096), source = pattern(1000, 9);
+  const uint32_t rkey = p.memory_b.add(target.data(), target.size(), access_remote_write);
+  const uint64_t window_before = p.a->congestion_control().window_bytes();
+  for (int round = 0; round < 20; ++round) {
+    SendWork w = make_work(WorkOpcode::rdma_write, uint64_t(round + 1), source.data(), uint32_t(source.size()));
+    w.remote_addr = reinterpret_cast<uint64_t>(target.data());
+    w.rkey = rkey;
+    ASSERT_EQ(p.a->post_send(w, p.now), PostResult::ok);
+    const size_t n = p.a->transmit(p.tx.data(), 1, p.now);
+    ASSERT_EQ(n, 1u);
+    std::vector<uint8_t> request(p.tx[0].length);
+    ASSERT_EQ(flatten(p.tx[0], request.data(), request.size()), request.size());
+    const uint64_t arrived = p.now + 2'000;  // 2 us of wire
+    p.now = arrived + 300'000;               // the responder polls 300 us later
+    p.b->receive(request.data(), request.size(), IcrcAddresses{}, p.now, arrived);
+    p.b->acknowledge_now(p.now);
+    ASSERT_EQ(p.b->transmit(p.tx.data(), 1, p.now), 1u);
+    std::vector<uint8_t> ack(p.tx[0].length);
+    ASSERT_EQ(flatten(p.tx[0], ack.data(), ack.size()), ack.size());
+    Header h;
+    ASSERT_EQ(decode(Mode::stellar, ack.data(), ack.size(), IcrcAddresses{}, h), DecodeError::none);
+    ASSERT_TRUE(h.has_ack);
+    EXPECT_EQ(h.ack_delay_ns, 300'000u);
+    p.now += 2'000;
+    p.a->receive(ack.data(), ack.size(), IcrcAddresses{}, p.now, p.now);
+    ASSERT_EQ(p.cq_a.sends.size(), size_t(round + 1));
+    p.now += 1'000;
+  }
+  EXPECT_GE(p.a->smoothed_rtt_ns(), 300'000u) << "timers must cover the host delay";
+  EXPECT_GT(p.a->congestion_control().window_bytes(), window_before) << "4 us of network delay is below target: the window grows";
+}

@@ -32,6 +32,7 @@ Header sample(uint8_t op) {
   h.has_ack = true;
   h.ack_psn = 42;
   h.sack_bitmap = 0x5;
+  h.ack_delay_ns = 123'456;
   return h;
 }
 
@@ -83,6 +84,7 @@ TEST_P(WireModes, EveryOpcodeRoundTrips) {
       EXPECT_TRUE(d.has_ack);
       EXPECT_EQ(d.ack_psn, 42u);
       EXPECT_EQ(d.sack_bitmap, 5u);
+      EXPECT_EQ(d.ack_delay_ns, 123'456u);
     }
     // Every truncation is caught.
     for (size_t cut = 0; cut < n; ++cut) EXPECT_NE(decode(mode, buf.data(), cut, addresses, d), DecodeError::none) << cut;

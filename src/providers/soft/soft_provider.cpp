@@ -760,7 +760,14 @@ bool SoftContext::progress_locked(uint64_t now) {
     if (n == 0) break;
     work = true;
     ++receive_calls_;
+    // Kernel arrival stamps are CLOCK_REALTIME; the engine runs on MONOTONIC.
+    timespec real;
+    clock_gettime(CLOCK_REALTIME, &real);
+    const uint64_t realtime_now = uint64_t(real.tv_sec) * 1'000'000'000ull + uint64_t(real.tv_nsec);
+    const uint64_t monotonic_now = monotonic_ns();
     for (int i = 0; i < n; ++i) {
+      const uint64_t stamp = rx_[i].arrival_realtime_ns;
+      const uint64_t arrival = stamp && stamp <= realtime_now && realtime_now - stamp < monotonic_now ? monotonic_now - (realtime_now - stamp) : 0;
       const uint32_t step = rx_[i].segment_size ? rx_[i].segment_size : std::max<uint32_t>(rx_[i].length, 1);
       if (rx_[i].segment_size) coalesced_ += (rx_[i].length + step - 1) / step;
       for (uint32_t at = 0; at < rx_[i].length || (at == 0 && rx_[i].length == 0); at += step) {
@@ -778,7 +785,7 @@ bool SoftContext::progress_locked(uint64_t now) {
           ++unknown_qp_;  // no such QP in that tenant, or not from its peer
           continue;
         }
-        it->second->engine()->receive(data, length, it->second->rx_addresses(), now);
+        it->second->engine()->receive(data, length, it->second->rx_addresses(), now, arrival);
       }
     }
     if (n < rx_batch) break;

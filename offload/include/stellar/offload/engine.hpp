@@ -211,9 +211,12 @@ class QpEngine {
 
   // A datagram from the peer. `addresses` describe it as received (source =
   // the peer); only roce mode uses them (ICRC).
-  void receive(const uint8_t* data, size_t length, const IcrcAddresses& addresses, uint64_t now_ns);
+  // `arrival_ns` (same clock as now_ns, <= now_ns; 0 = now_ns): when the
+  // datagram reached the host (the socket's kernel timestamp), so that time it
+  // waited for this host to poll counts as host delay, not network delay.
+  void receive(const uint8_t* data, size_t length, const IcrcAddresses& addresses, uint64_t now_ns, uint64_t arrival_ns = 0);
   // The same for an already decoded packet (tests, fuzzing).
-  void receive_decoded(const Header&, uint64_t now_ns);
+  void receive_decoded(const Header&, uint64_t now_ns, uint64_t arrival_ns = 0);
 
   // Fills up to `count` buffers with datagrams due now (responses, retransmits,
   // new data, ACKs, in that order) and returns how many.

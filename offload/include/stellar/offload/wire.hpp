@@ -104,6 +104,11 @@ struct Header {
   bool has_ack = false;
   uint32_t ack_psn = 0;        // every PSN before this one has arrived
   uint64_t sack_bitmap = 0;    // bit i: ack_psn + 1 + i has arrived
+  // stellar mode, with has_ack: nanoseconds the acknowledging side held the
+  // latest request it acknowledges (from its arrival in the kernel to this
+  // packet's sending), saturating. The requester takes it out of its RTT
+  // sample so that congestion control sees the network, not host delay.
+  uint32_t ack_delay_ns = 0;
   // Payload (points into the decoded buffer).
   const uint8_t* payload = nullptr;
   uint32_t payload_length = 0;
