@@ -53,7 +53,10 @@ struct FaultOptions {
 struct ContextOptions {
   Provider provider = Provider::soft;
   Mode mode = Mode::stellar;
-  std::string bind_address = "127.0.0.1";  // IPv4 address the soft provider's UDP socket binds
+  // soft: the IPv4 address the UDP socket binds. verbs: picks the device and
+  // port whose RoCE v2 GID is ::ffff:<address>; the default (and "" or
+  // 0.0.0.0) falls back to the first usable GID (docs/verbs-provider.md).
+  std::string bind_address = "127.0.0.1";
   uint16_t udp_port = 0;                   // 0: any free port (roce mode tries 4791 first)
   uint32_t mtu = 4096;                     // payload bytes per packet
   ProgressMode progress = ProgressMode::inline_poll;
@@ -66,7 +69,7 @@ struct ContextOptions {
   // socket queues), which NIC-based Swift budgets at about 100 us too.
   std::chrono::nanoseconds cc_target_delay{100'000};
   FaultOptions faults{};                       // merged with the environment at open
-  std::string device;                          // verbs provider: device name ("" = first)
+  std::string device;                          // verbs provider: device name, e.g. "mlx5_0" ("" = chosen by bind_address)
 };
 
 // Memory access rights (ibv_access_flags).
@@ -134,7 +137,16 @@ struct WorkCompletion {
   uint32_t imm_data = 0;
   bool has_imm = false;
   uint32_t qp_num = 0;
+  // Provider detail of an error completion (0, 0 on success and in the soft
+  // provider). verbs: the ibv_wc_status exactly as the NIC reported it
+  // (several fold into one WcStatus) and its vendor_err syndrome; describe()
+  // names both.
+  uint32_t provider_status = 0;
+  uint32_t vendor_error = 0;
 };
+// "remote access error", plus for verbs errors the original status:
+// "remote access error (IBV_WC_REM_ACCESS_ERR: remote access error, vendor_err 0x88)".
+std::string describe(const WorkCompletion&);
 
 class CompletionQueue {
  public:
@@ -173,13 +185,19 @@ struct QpInitAttributes {
 
 // What a peer needs to connect to a QP (exchanged by the connection manager).
 struct QpEndpoint {
-  std::string address;  // IPv4 of the peer's UDP socket
-  uint16_t udp_port = 0;
+  std::string address;  // soft: IPv4 of the peer's UDP socket; verbs: the IPv4 its GID carries (for logs)
+  uint16_t udp_port = 0;  // soft: the UDP port; verbs: 4791 (RoCE v2), informational
   uint32_t qp_num = 0;
-  uint32_t psn = 0;     // first PSN that side sends
-  uint32_t mtu = 4096;
+  uint32_t psn = 0;     // first PSN that side sends (24 bits)
+  uint32_t mtu = 4096;  // bytes; both sides use the smaller
   uint16_t pkey = 0xffff;
-  Mode mode = Mode::stellar;
+  Mode mode = Mode::stellar;  // soft: its wire protocol; verbs: always roce (the NIC's RoCE v2)
+  // verbs only: the port GID packets are addressed to, in sysfs form
+  // ("0000:0000:0000:0000:0000:ffff:0a00:0001"), and the port's LID (used on
+  // InfiniBand ports; 0 on RoCE). Empty/0 for soft endpoints; a verbs QP
+  // refuses a peer without a GID.
+  std::string gid;
+  uint16_t lid = 0;
 };
 
 // Transport timing of a QP (set at RTR/RTS, like ibv_qp_attr.timeout/retry_cnt).

@@ -2,6 +2,11 @@
 // collectives' rendezvous (src/coll/): newline-delimited JSON over a TCP
 // stream (Asio) with deadline-bounded reads and writes, the JSON form of a
 // QpEndpoint, and the RESET/INIT -> RTR -> RTS walk. Internal header.
+//
+// Endpoint JSON: address, udp_port, qp_num, psn, mtu, pkey, mode, and, for
+// verbs endpoints only, "gid" (sysfs form) and "lid". Soft endpoints leave
+// the two out, so their messages are byte-for-byte what they were before
+// the verbs provider; a reader treats missing ones as ""/0.
 #pragma once
 
 #define ASIO_STANDALONE
@@ -21,8 +26,13 @@ using Clock = std::chrono::steady_clock;
 using json = nlohmann::json;
 
 inline json endpoint_json(const QpEndpoint& e) {
-  return json{{"address", e.address}, {"udp_port", e.udp_port}, {"qp_num", e.qp_num}, {"psn", e.psn},
-              {"mtu", e.mtu},         {"pkey", e.pkey},         {"mode", to_string(e.mode)}};
+  json j{{"address", e.address}, {"udp_port", e.udp_port}, {"qp_num", e.qp_num}, {"psn", e.psn},
+         {"mtu", e.mtu},         {"pkey", e.pkey},         {"mode", to_string(e.mode)}};
+  if (!e.gid.empty()) {
+    j["gid"] = e.gid;
+    j["lid"] = e.lid;
+  }
+  return j;
 }
 
 inline Result<QpEndpoint> endpoint_from(const json& j) {
@@ -37,6 +47,8 @@ inline Result<QpEndpoint> endpoint_from(const json& j) {
     auto mode = parse_mode(j.at("mode").get<std::string>());
     if (!mode) return mode.status();
     e.mode = *mode;
+    e.gid = j.value("gid", std::string());
+    e.lid = j.value("lid", uint16_t(0));
     return e;
   } catch (const std::exception& ex) {
     return Status(Errc::protocol_error, std::string("malformed endpoint: ") + ex.what());

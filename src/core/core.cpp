@@ -76,6 +76,12 @@ const char* to_string(WcOpcode o) {
   return "?";
 }
 
+std::string describe(const WorkCompletion& wc) {
+  std::string text = to_string(wc.status);
+  if (wc.provider_status != 0) text = provider::describe_verbs_status(wc.provider_status, wc.vendor_error);
+  return text;
+}
+
 const char* to_string(QpState s) {
   switch (s) {
     case QpState::reset: return "RESET";

@@ -551,7 +551,7 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
 
   QpEndpoint local_endpoint() const override {
     SoftContext& c = const_cast<SoftQp*>(this)->context();
-    return QpEndpoint{c.local_address(), c.local_port(), qpn_, psn_, c.options_.mtu, pkey_, c.options_.mode};
+    return QpEndpoint{c.local_address(), c.local_port(), qpn_, psn_, c.options_.mtu, pkey_, c.options_.mode, {}, 0};
   }
 
   // MemoryAccess: remote keys of this QP's tenant, for regions of this PD.

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "core/providers.hpp"
+#include "providers/verbs/translate.hpp"
 
 namespace stellar::provider {
 
@@ -16,9 +17,7 @@ Result<std::shared_ptr<Context>> open_verbs(const ContextOptions& options) {
   for (int i = 0; devices && i < count; ++i) names += std::string(names.empty() ? "" : ", ") + ibv_get_device_name(devices[i]);
   if (devices) ibv_free_device_list(devices);
   if (count == 0)
-    return Status(Errc::no_device,
-                  "verbs provider: no RDMA device found (ibv_get_device_list returned none); "
-                  "use the soft provider (--provider soft) on machines without an RDMA NIC");
+    return verbs::no_device_status("ibv_get_device_list returned none");
   return Status(Errc::unsupported, "verbs provider: found " + names + (options.device.empty() ? "" : " (asked for " + options.device + ")") +
                                        ", but this build's verbs data path is not implemented yet; use --provider soft");
 }
