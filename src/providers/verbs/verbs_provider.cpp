@@ -30,6 +30,7 @@
 
 #include "core/log.hpp"
 #include "core/providers.hpp"
+#include "gpu/cuda_driver.hpp"
 #include "providers/verbs/translate.hpp"
 
 namespace stellar::provider {
@@ -325,7 +326,30 @@ Result<std::unique_ptr<MemoryRegion>> VerbsPd::register_memory(void* addr, size_
   // ibv_reg_mr_iova2 is the call that passes optional flags on. iova = the
   // address, so remote peers use virtual addresses as everywhere else.
   const unsigned flags = to_ibv_access(access) | IBV_ACCESS_RELAXED_ORDERING;
+  const bool device_memory = length && gpu::memory_kind(addr) == gpu::MemoryKind::device;
+  std::string dmabuf_failure;
+  if (device_memory) {
+    // GPU memory (docs/gpu.md): dma-buf first, which needs no extra kernel
+    // module; the MR keeps its own reference to the dma-buf, so the fd
+    // closes when `buffer` goes out of scope.
+    auto driver = gpu::CudaDriver::load();
+    auto buffer = driver ? gpu::export_dmabuf(**driver, addr, length) : Result<gpu::DmaBuf>(driver.status());
+    if (buffer) {
+      if (ibv_mr* mr = ibv_reg_dmabuf_mr(pd_, buffer->offset(), length, reinterpret_cast<uint64_t>(addr), buffer->fd(), int(flags)))
+        return std::unique_ptr<MemoryRegion>(std::make_unique<VerbsMr>(shared_from_this(), mr, access));
+      dmabuf_failure = call_failed("ibv_reg_dmabuf_mr", errno);
+    } else {
+      dmabuf_failure = buffer.status().to_string();
+    }
+  }
+  // Host memory; for GPU memory the nvidia-peermem route (the kernel module pins device pages).
   ibv_mr* mr = ibv_reg_mr_iova2(pd_, addr, length, reinterpret_cast<uint64_t>(addr), flags);
+  if (!mr && device_memory) {
+    const int e = errno;
+    return Status(Errc::unsupported, "register_memory: GPU memory at " + std::to_string(reinterpret_cast<uint64_t>(addr)) +
+                                         " could not be registered: dma-buf: " + dmabuf_failure + "; nvidia-peermem: " +
+                                         call_failed("ibv_reg_mr_iova2", e) + " (load nvidia_peermem or use a dma-buf capable driver; `stellar doctor` checks both)");
+  }
   if (!mr) {
     const int e = errno;
     std::string hint;
