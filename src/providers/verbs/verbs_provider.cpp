@@ -593,8 +593,10 @@ Result<int> VerbsCq::wait(std::span<WorkCompletion> out, std::chrono::nanosecond
     if (int rc = ibv_req_notify_cq(cq_, 0); rc != 0) return Status(Errc::io_error, call_failed("ibv_req_notify_cq", rc));
     if (int n = poll(out); n > 0) return n;
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()) + std::chrono::milliseconds(1);
+    lock.unlock();  // request_notify from another thread must not wait for this sleep
     pollfd p{channel_->fd, POLLIN, 0};
     ::poll(&p, 1, int(std::min<int64_t>(left.count(), 1000)));
+    lock.lock();
     drain_events();
   }
 }
