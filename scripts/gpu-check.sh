@@ -27,7 +27,7 @@ set -e
 bash scripts/install-deps.sh
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSTELLAR_BUILD_BENCH=OFF \
   -DSTELLAR_CUDA=ON -DCMAKE_CUDA_COMPILER="$nvcc" -DCMAKE_CUDA_ARCHITECTURES="$arch"
-ninja -C "$build" -j"$jobs" stellar_cuda_tests stellar_gpu_tests fake_libcuda stellar_cli
+ninja -C "$build" -j"$jobs" stellar_cuda_tests stellar_gpu_tests fake_libcuda stellar_cli soft_gpu_rdma
 set +e
 
 status=0
@@ -39,7 +39,11 @@ run() {
   ((rc == 0)) || status=1
 }
 run "$build/tests/stellar_cuda_tests"
-run "$build/tests/stellar_gpu_tests" --gtest_filter='CudaDriver.*:RealGpu.*'
+run "$build/tests/stellar_gpu_tests" --gtest_filter='CudaDriver.*:RealGpu.*:SoftProviderGpu.*'
+echo "== soft_gpu_rdma: two processes, RDMA WRITE/READ between GPU buffers over the soft provider, staged bandwidth"
+"$build/tests/soft_gpu_rdma" $((64 << 20)) 20 2>&1 | tee -a "$log"
+rc=${PIPESTATUS[0]}
+if ((rc == 77)); then echo "[  SKIPPED ] SoftGpuRdma.NoGpu" >> "$log"; elif ((rc != 0)); then status=1; fi
 echo "== stellar doctor (informational; its exit status does not fail this check)"
 "$build/tools/stellar" doctor
 

@@ -6,6 +6,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -17,7 +18,12 @@ using CUdeviceptr = unsigned long long;
 namespace {
 constexpr size_t arena_size = 1 << 20;
 alignas(65536) unsigned char arena[arena_size];  // the "device memory"
-size_t allocated = 0;                            // bytes of the single live allocation; 0 = none
+struct Allocation {
+  size_t offset, size;
+  unsigned long long id;
+};
+std::vector<Allocation> live;  // page-aligned bump allocation in the arena; reset when all are freed
+size_t next_offset = 0;
 unsigned long long buffer_id = 1;
 int dmabuf_supported = 1;
 int primary_retained = 0, streams = 0, pinned = 0;
@@ -25,10 +31,13 @@ thread_local std::vector<void*> context_stack;
 CUdeviceptr last_export_start = 0;
 size_t last_export_size = 0;
 
-bool in_allocation(CUdeviceptr p) {
-  auto base = reinterpret_cast<uintptr_t>(arena);
-  return allocated && p >= base && p < base + allocated;
+const Allocation* allocation_of(CUdeviceptr p) {
+  const auto base = reinterpret_cast<uintptr_t>(arena);
+  for (const Allocation& a : live)
+    if (p >= base + a.offset && p < base + a.offset + a.size) return &a;
+  return nullptr;
 }
+bool in_allocation(CUdeviceptr p) { return allocation_of(p) != nullptr; }
 }  // namespace
 
 extern "C" {
@@ -68,9 +77,9 @@ CUresult cuPointerGetAttributes(unsigned count, int* attributes, void** data, CU
     switch (attributes[i]) {
       case 2: *static_cast<unsigned*>(data[i]) = device ? 2 : 0; break;
       case 9: *static_cast<int*>(data[i]) = device ? 0 : -1; break;
-      case 11: *static_cast<CUdeviceptr*>(data[i]) = device ? reinterpret_cast<uintptr_t>(arena) : 0; break;
-      case 12: *static_cast<size_t*>(data[i]) = device ? allocated : 0; break;
-      case 7: *static_cast<unsigned long long*>(data[i]) = device ? buffer_id : 0; break;
+      case 11: *static_cast<CUdeviceptr*>(data[i]) = device ? reinterpret_cast<uintptr_t>(arena) + allocation_of(p)->offset : 0; break;
+      case 12: *static_cast<size_t*>(data[i]) = device ? allocation_of(p)->size : 0; break;
+      case 7: *static_cast<unsigned long long*>(data[i]) = device ? allocation_of(p)->id : 0; break;
       case 8: *static_cast<unsigned*>(data[i]) = 0; break;
       default: return 1;
     }
@@ -99,16 +108,21 @@ CUresult cuCtxPopCurrent_v2(void** ctx) {
 }
 CUresult cuCtxSynchronize() { return 0; }
 CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t bytes) {
-  if (allocated || bytes == 0 || bytes > arena_size) return 2;  // out of memory: one allocation at a time
-  allocated = bytes;
-  *p = reinterpret_cast<uintptr_t>(arena);
+  if (live.empty()) next_offset = 0;  // so a free + alloc returns the same address, as drivers often do
+  const size_t offset = (next_offset + 4095) / 4096 * 4096;
+  if (bytes == 0 || bytes > arena_size - std::min(offset, arena_size)) return 2;  // out of memory
+  live.push_back({offset, bytes, buffer_id++});
+  next_offset = offset + bytes;
+  *p = reinterpret_cast<uintptr_t>(arena) + offset;
   return 0;
 }
 CUresult cuMemFree_v2(CUdeviceptr p) {
-  if (!allocated || p != reinterpret_cast<uintptr_t>(arena)) return 1;
-  allocated = 0;
-  ++buffer_id;
-  return 0;
+  for (size_t i = 0; i < live.size(); ++i)
+    if (reinterpret_cast<uintptr_t>(arena) + live[i].offset == p) {
+      live.erase(live.begin() + long(i));
+      return 0;
+    }
+  return 1;
 }
 CUresult cuMemHostAlloc(void** p, size_t bytes, unsigned) {
   *p = std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096);

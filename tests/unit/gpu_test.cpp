@@ -3,6 +3,7 @@
 // tests (fake_libcuda.cpp), which exercises the success paths without a GPU.
 // The RealGpu tests run only where a CUDA driver and a GPU exist.
 #include "gpu/cuda_driver.hpp"
+#include "stellar/verbs.hpp"
 
 #include <dlfcn.h>
 #include <sys/stat.h>
@@ -245,4 +246,146 @@ TEST(RealGpu, DeviceMemoryIsDetectedAndExported) {
     EXPECT_EQ(buf.status().code(), Errc::unsupported) << buf.status().to_string();  // proprietary modules: no dma-buf
   }
   EXPECT_TRUE(d.check(d.api().cuMemFree(p), "cuMemFree").ok());
+}
+
+// GPU memory over the soft provider, staged through pinned shadows: two
+// contexts in this process joined over loopback, device buffers from the
+// fake driver (host memory that only cuMemcpy* may touch as far as the
+// provider is concerned). Each check reads the device buffer back with
+// cuMemcpyDtoH, so a missing copy in either direction shows.
+namespace {
+
+struct Side {
+  std::shared_ptr<Context> context;
+  std::shared_ptr<ProtectionDomain> pd;
+  std::shared_ptr<CompletionQueue> cq;
+  std::shared_ptr<QueuePair> qp;
+};
+
+Side open_side() {
+  Side s;
+  s.context = Context::open().value();
+  s.pd = s.context->allocate_pd().value();
+  s.cq = s.context->create_cq(64).value();
+  QpInitAttributes attributes;
+  attributes.send_cq = attributes.recv_cq = s.cq;
+  s.qp = s.pd->create_qp(attributes).value();
+  QpModify init;
+  init.state = QpState::init;
+  EXPECT_TRUE(s.qp->modify(init).ok());
+  return s;
+}
+
+void connect(Side& a, Side& b) {
+  for (auto [x, y] : {std::pair{&a, &b}, std::pair{&b, &a}}) {
+    QpModify rtr;
+    rtr.state = QpState::rtr;
+    rtr.remote = y->qp->local_endpoint();
+    ASSERT_TRUE(x->qp->modify(rtr).ok());
+  }
+  for (Side* x : {&a, &b}) {
+    QpModify rts;
+    rts.state = QpState::rts;
+    ASSERT_TRUE(x->qp->modify(rts).ok());
+  }
+}
+
+// Polls both sides until `side` has a completion; returns it.
+WorkCompletion next_completion(Side& side, Side& other) {
+  WorkCompletion wc{};
+  for (int i = 0; i < 2'000'000; ++i) {
+    other.context->progress();
+    if (side.cq->poll({&wc, 1}) == 1) return wc;
+  }
+  ADD_FAILURE() << "no completion";
+  return wc;
+}
+
+std::vector<uint8_t> device_bytes(const CudaDriver& d, CUdeviceptr p, size_t n) {
+  std::vector<uint8_t> v(n);
+  EXPECT_EQ(d.api().cuMemcpyDtoH(v.data(), p, n), CUDA_SUCCESS);
+  return v;
+}
+
+}  // namespace
+
+TEST(SoftProviderGpu, WriteReadAndSendBetweenDeviceBuffersAreStaged) {
+  ScopedEnv env("STELLAR_CUDA_LIBRARY", FAKE_LIBCUDA_PATH);
+  const CudaDriver& d = fake();
+  constexpr size_t bytes = 3 * 4096 + 100;  // several packets, not page-sized
+  CUdeviceptr source = 0, target = 0, back = 0;
+  ASSERT_EQ(d.api().cuMemAlloc(&source, bytes), CUDA_SUCCESS);
+  ASSERT_EQ(d.api().cuMemAlloc(&target, bytes), CUDA_SUCCESS);
+  ASSERT_EQ(d.api().cuMemAlloc(&back, bytes), CUDA_SUCCESS);
+  std::vector<uint8_t> pattern(bytes), zeros(bytes, 0);
+  std::iota(pattern.begin(), pattern.end(), uint8_t(7));
+  ASSERT_EQ(d.api().cuMemcpyHtoD(source, pattern.data(), bytes), CUDA_SUCCESS);
+  ASSERT_EQ(d.api().cuMemcpyHtoD(target, zeros.data(), bytes), CUDA_SUCCESS);
+  ASSERT_EQ(d.api().cuMemcpyHtoD(back, zeros.data(), bytes), CUDA_SUCCESS);
+  {
+    Side a = open_side(), b = open_side();
+    connect(a, b);
+    auto source_mr = a.pd->register_memory(reinterpret_cast<void*>(source), bytes, access_local_write).value();
+    auto back_mr = a.pd->register_memory(reinterpret_cast<void*>(back), bytes, access_local_write).value();
+    auto target_mr = b.pd->register_memory(reinterpret_cast<void*>(target), bytes,
+                                           access_local_write | access_remote_write | access_remote_read).value();
+    EXPECT_EQ(a.pd->register_memory(reinterpret_cast<void*>(source), bytes, access_local_write | access_remote_atomic).status().code(),
+              Errc::unsupported) << "staged copies cannot be atomic";
+
+    // WRITE_WITH_IMM device -> device: the target's receive completion means the data is on its device.
+    ASSERT_TRUE(b.qp->post_recv(RecvWr{1, {}}).ok());
+    Sge sge{source, uint32_t(bytes), source_mr->lkey()};
+    SendWr write;
+    write.wr_id = 10;
+    write.opcode = WrOpcode::rdma_write_with_imm;
+    write.sg_list = {&sge, 1};
+    write.remote_addr = target;
+    write.rkey = target_mr->rkey();
+    ASSERT_TRUE(a.qp->post_send(write).ok());
+    WorkCompletion wc = next_completion(b, a);
+    EXPECT_EQ(wc.status, WcStatus::success);
+    EXPECT_EQ(wc.wr_id, 1u);
+    EXPECT_EQ(device_bytes(d, target, bytes), pattern);
+    wc = next_completion(a, b);
+    EXPECT_EQ(wc.wr_id, 10u);
+
+    // The target's owner changes its device buffer; a READ sees the new bytes
+    // and lands them on the reader's device when the READ completes.
+    std::vector<uint8_t> changed(pattern.rbegin(), pattern.rend());
+    ASSERT_EQ(d.api().cuMemcpyHtoD(target, changed.data(), bytes), CUDA_SUCCESS);
+    Sge into{back, uint32_t(bytes), back_mr->lkey()};
+    SendWr read;
+    read.wr_id = 11;
+    read.opcode = WrOpcode::rdma_read;
+    read.sg_list = {&into, 1};
+    read.remote_addr = target;
+    read.rkey = target_mr->rkey();
+    read.flags = 0;  // unsignaled: the provider still copies at completion, and reports nothing
+    ASSERT_TRUE(a.qp->post_send(read).ok());
+    // A signaled SEND after it completes after it: by then the READ's data is on the device.
+    ASSERT_TRUE(b.qp->post_recv(RecvWr{2, {}}).ok());
+    SendWr marker;
+    marker.wr_id = 12;
+    marker.opcode = WrOpcode::send_with_imm;
+    ASSERT_TRUE(a.qp->post_send(marker).ok());
+    wc = next_completion(a, b);
+    EXPECT_EQ(wc.wr_id, 12u) << "the unsignaled READ reported nothing";
+    EXPECT_EQ(device_bytes(d, back, bytes), changed);
+
+    // SEND from device memory into a device receive buffer.
+    ASSERT_EQ(d.api().cuMemcpyHtoD(target, zeros.data(), bytes), CUDA_SUCCESS);
+    Sge landing{target, uint32_t(bytes), target_mr->lkey()};
+    ASSERT_TRUE(b.qp->post_recv(RecvWr{3, {&landing, 1}}).ok());
+    (void)next_completion(b, a);  // the marker's receive (wr 2)
+    SendWr send;
+    send.wr_id = 13;
+    send.opcode = WrOpcode::send;
+    send.sg_list = {&sge, 1};
+    ASSERT_TRUE(a.qp->post_send(send).ok());
+    wc = next_completion(b, a);
+    EXPECT_EQ(wc.wr_id, 3u);
+    EXPECT_EQ(wc.byte_len, bytes);
+    EXPECT_EQ(device_bytes(d, target, bytes), pattern);
+  }
+  for (CUdeviceptr p : {source, target, back}) EXPECT_EQ(d.api().cuMemFree(p), CUDA_SUCCESS);
 }

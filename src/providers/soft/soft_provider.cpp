@@ -21,6 +21,7 @@
 
 #include "core/log.hpp"
 #include "core/providers.hpp"
+#include "gpu/cuda_driver.hpp"
 #include "io/udp_socket.hpp"
 #include "stellar/offload/engine.hpp"
 
@@ -55,11 +56,72 @@ void accumulate(off::EngineCounters& sum, const off::EngineCounters& e) {
   sum.rnr_naks_sent += e.rnr_naks_sent, sum.unexpected_packets += e.unexpected_packets;
 }
 
+// GPU memory registered on the soft provider. The engine works with the CPU,
+// so it reads and writes a pinned host copy (the shadow) of the region, and
+// the provider keeps the two in step at the points verbs semantics make
+// observable (docs/gpu.md): sources are copied device -> shadow when posted;
+// local destinations shadow -> device when their completion is delivered;
+// remote writes mark the shadow dirty and are copied to the device before the
+// next receive completion (a receive implies earlier writes are in place);
+// remote reads copy device -> shadow first. Copies are synchronous.
+struct GpuShadow {
+  const gpu::CudaDriver* driver = nullptr;
+  gpu::PinnedBuffer pinned;
+  uint64_t device = 0;  // the region's device address (MrEntry::addr)
+  int ordinal = 0;
+  std::vector<std::pair<uint64_t, uint64_t>> dirty;  // [offset, end) written by peers, not yet on the device
+
+  uint8_t* host() const { return static_cast<uint8_t*>(pinned.data()); }
+  Status to_host(uint64_t offset, uint64_t length) {
+    if (!length) return {};
+    auto scope = gpu::ScopedDeviceContext::enter(*driver, ordinal);
+    if (!scope) return scope.status();
+    return driver->check(driver->api().cuMemcpyDtoH(host() + offset, device + offset, length), "cuMemcpyDtoH (soft provider staging)");
+  }
+  Status to_device(uint64_t offset, uint64_t length) {
+    if (!length) return {};
+    auto scope = gpu::ScopedDeviceContext::enter(*driver, ordinal);
+    if (!scope) return scope.status();
+    return driver->check(driver->api().cuMemcpyHtoD(device + offset, host() + offset, length), "cuMemcpyHtoD (soft provider staging)");
+  }
+  void mark_dirty(uint64_t offset, uint64_t length) {
+    if (!dirty.empty() && dirty.back().second >= offset && dirty.back().first <= offset + length) {
+      dirty.back().first = std::min(dirty.back().first, offset);
+      dirty.back().second = std::max(dirty.back().second, offset + length);
+    } else {
+      dirty.emplace_back(offset, offset + length);
+    }
+  }
+  Status flush() {
+    Status result;
+    for (auto [begin, end] : dirty)
+      if (Status s = to_device(begin, end - begin); !s.ok() && result.ok()) result = s;
+    dirty.clear();
+    return result;
+  }
+};
+
 struct MrEntry {
   uint64_t addr = 0, length = 0;
   uint32_t access = 0;
   const SoftPd* pd = nullptr;
   uint32_t lkey = 0, rkey = 0;
+  uint8_t* host = nullptr;          // where the engine reads and writes: addr itself, or the GPU shadow
+  std::shared_ptr<GpuShadow> gpu;   // GPU memory only
+};
+
+// Per posted WR, from post to completion: the user's wr_id (the engine
+// carries the sequence number instead; a slot is reused only after the
+// engine has freed the WR's queue entry) and staged GPU destinations.
+struct StagedPart {
+  std::shared_ptr<GpuShadow> shadow;
+  uint64_t offset;
+  uint64_t length;
+};
+struct WrSlot {
+  uint64_t wr_id = 0;
+  bool signaled = true;
+  std::vector<StagedPart> parts;
 };
 
 struct Tenant {
@@ -69,6 +131,7 @@ struct Tenant {
   std::unordered_map<uint32_t, MrEntry> by_rkey;
   std::unordered_map<uint32_t, uint32_t> lkey_to_rkey;
   std::unordered_map<uint32_t, bool> qpns;
+  std::vector<GpuShadow*> dirty_gpu;  // GPU regions peers wrote since the last receive completion
 
   uint32_t fresh_key() {
     for (;;) {
@@ -346,6 +409,7 @@ class SoftMr final : public MemoryRegion {
     SoftContext& c = pd_->context();
     std::lock_guard lock(c.mutex_);
     Tenant& t = c.tenants_.at(pd_->tenant());
+    if (e_.gpu) std::erase(t.dirty_gpu, e_.gpu.get());
     t.by_rkey.erase(e_.rkey);
     t.lkey_to_rkey.erase(e_.lkey);
     ++c.memory_generation_;  // engines re-check posted local segments before using them
@@ -367,9 +431,32 @@ Result<std::unique_ptr<MemoryRegion>> SoftPd::register_memory(void* addr, size_t
     return Status(Errc::invalid_argument, "register_memory: unknown access bits");
   if ((access & (access_remote_write | access_remote_atomic)) && !(access & access_local_write))
     return Status(Errc::invalid_argument, "register_memory: remote write/atomic access requires local write (as in verbs)");
+  MrEntry e{reinterpret_cast<uint64_t>(addr), length, access, this, 0, 0, static_cast<uint8_t*>(addr), nullptr};
+  if (length && gpu::memory_kind(addr) == gpu::MemoryKind::device) {
+    // The CPU cannot address device memory: stage it (GpuShadow).
+    if (access & access_remote_atomic)
+      return Status(Errc::unsupported, "register_memory: remote atomics on GPU memory are not supported by the soft provider (staged copies are not atomic)");
+    auto driver = gpu::CudaDriver::load();
+    if (!driver) return driver.status();
+    auto info = gpu::query_pointer(**driver, addr);
+    if (!info) return info.status();
+    auto shadow = std::make_shared<GpuShadow>();
+    shadow->driver = *driver;
+    shadow->device = e.addr;
+    shadow->ordinal = info->device_ordinal;
+    {
+      auto scope = gpu::ScopedDeviceContext::enter(**driver, info->device_ordinal);
+      if (!scope) return scope.status();
+      auto pinned = gpu::PinnedBuffer::allocate(**driver, length);
+      if (!pinned) return pinned.status();
+      shadow->pinned = std::move(*pinned);
+    }
+    if (Status s = shadow->to_host(0, length); !s.ok()) return s;
+    e.host = shadow->host();
+    e.gpu = std::move(shadow);
+  }
   std::lock_guard lock(context_->mutex_);
   Tenant& t = context_->tenants_.at(tenant_);
-  MrEntry e{reinterpret_cast<uint64_t>(addr), length, access, this, 0, 0};
   e.rkey = t.fresh_key();
   t.by_rkey[e.rkey] = e;  // reserve before drawing the lkey
   e.lkey = t.fresh_key();
@@ -386,7 +473,9 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
         recv_cq_(std::static_pointer_cast<SoftCq>(attr.recv_cq)),
         cap_(attr.cap),
         qpn_(qpn),
-        pkey_(pkey) {
+        pkey_(pkey),
+        send_slots_(std::max<uint32_t>(attr.cap.max_send_wr, 1)),
+        recv_slots_(std::max<uint32_t>(attr.cap.max_recv_wr, 1)) {
     std::random_device r;
     psn_ = r() & 0xffffff;
   }
@@ -489,7 +578,15 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
     if (wr.sg_list.size() > cap_.max_send_sge || wr.sg_list.size() > off::max_segments)
       return Status(Errc::invalid_argument, "post_send: " + std::to_string(wr.sg_list.size()) + " SGEs exceed max_send_sge");
     off::SendWork w;
-    w.wr_id = wr.wr_id;
+    // The engine sees the slot's sequence number; deliver() maps it back.
+    // Filled aside and moved into its slot only once the engine took the WR:
+    // while the queue is full that slot still belongs to the oldest WR.
+    const uint64_t sequence = send_sequence_ + 1;
+    WrSlot& slot = pending_slot_;
+    slot.wr_id = wr.wr_id;
+    slot.signaled = wr.flags & send_signaled;
+    slot.parts.clear();
+    w.wr_id = sequence;
     w.opcode = off::WorkOpcode(int(wr.opcode));
     w.signaled = wr.flags & send_signaled;
     w.solicited = wr.flags & send_solicited;
@@ -508,8 +605,9 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
     if (w.inline_data && writes_local) return Status(Errc::invalid_argument, "post_send: inline is only for sends and writes");
     if ((wr.opcode == WrOpcode::atomic_fetch_add || wr.opcode == WrOpcode::atomic_cmp_swap) && (total != 8 || wr.remote_addr % 8))
       return Status(Errc::invalid_argument, "post_send: atomics need one 8-byte local buffer and an 8-byte aligned remote address");
-    if (Status s = translate(wr.sg_list, w.segments, w.inline_data, writes_local ? uint32_t(access_local_write) : 0u); !s.ok()) return s;
+    if (Status s = translate(wr.sg_list, w.segments, w.inline_data, writes_local ? uint32_t(access_local_write) : 0u, slot); !s.ok()) return s;
     w.segment_count = uint32_t(wr.sg_list.size());
+    if (!slot.parts.empty()) w.signaled = true;  // GPU destination: its completion copies to the device
     if (!engine_) return Status(Errc::wrong_state, "post_send: QP has no connection");
     const uint64_t now = monotonic_ns();
     switch (engine_->post_send(w, now)) {
@@ -518,6 +616,8 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
       case off::PostResult::invalid_argument: return Status(Errc::invalid_argument, "post_send: rejected by the transport (message too large?)");
       case off::PostResult::qp_in_error: return Status(Errc::wrong_state, "post_send: QP in ERROR");
     }
+    send_sequence_ = sequence;
+    std::swap(send_slots_[sequence % send_slots_.size()], slot);
     if (c.options_.progress == ProgressMode::inline_poll) c.flush_engine(*engine_, peer_, now);
     else c.kick();
     return {};
@@ -530,20 +630,30 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
     if (wr.sg_list.size() > cap_.max_recv_sge || wr.sg_list.size() > off::max_segments)
       return Status(Errc::invalid_argument, "post_recv: too many SGEs");
     off::ReceiveWork r;
-    r.wr_id = wr.wr_id;
-    if (Status s = translate(wr.sg_list, r.segments, false, access_local_write); !s.ok()) return s;
+    const uint64_t sequence = receive_sequence_ + 1;
+    WrSlot& slot = pending_slot_;
+    slot.wr_id = wr.wr_id;
+    slot.signaled = true;
+    slot.parts.clear();
+    r.wr_id = sequence;
+    if (Status s = translate(wr.sg_list, r.segments, false, access_local_write, slot); !s.ok()) return s;
     r.segment_count = uint32_t(wr.sg_list.size());
     if (!engine_) {
       if (state_ == QpState::error) {
-        recv_cq_->push(off::Completion{r.wr_id, off::CompletionStatus::work_request_flushed, off::CompletionOpcode::receive, 0, 0, false, qpn_});
+        recv_cq_->push(off::Completion{wr.wr_id, off::CompletionStatus::work_request_flushed, off::CompletionOpcode::receive, 0, 0, false, qpn_});
         return {};
       }
       if (early_receives_.size() >= cap_.max_recv_wr) return Status(Errc::queue_full, "post_recv: receive queue full");
       early_receives_.push_back(r);
+      receive_sequence_ = sequence;
+      std::swap(recv_slots_[sequence % recv_slots_.size()], slot);
       return {};
     }
     switch (engine_->post_receive(r)) {
-      case off::PostResult::ok: return {};
+      case off::PostResult::ok:
+        receive_sequence_ = sequence;
+        std::swap(recv_slots_[sequence % recv_slots_.size()], slot);
+        return {};
       case off::PostResult::queue_full: return Status(Errc::queue_full, "post_recv: receive queue full (max_recv_wr " + std::to_string(cap_.max_recv_wr) + ")");
       default: return Status(Errc::invalid_argument, "post_recv: rejected");
     }
@@ -562,17 +672,50 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
     const MrEntry& e = it->second;
     if (e.pd != pd_.get() || (e.access & access) != access || !(access_ & access)) return nullptr;
     if (address < e.addr || length > e.length || address - e.addr > e.length - length) return nullptr;
-    return reinterpret_cast<uint8_t*>(address);
+    if (e.gpu) {
+      const uint64_t offset = address - e.addr;
+      if (access & access_remote_write) {
+        if (e.gpu->dirty.empty()) t.dirty_gpu.push_back(e.gpu.get());
+        e.gpu->mark_dirty(offset, length);
+      } else if (access & access_remote_read) {
+        // The device holds the newest data, except what peers wrote since.
+        if (!e.gpu->flush().ok() || !e.gpu->to_host(offset, length).ok()) return nullptr;
+        std::erase(t.dirty_gpu, e.gpu.get());
+      }
+    }
+    return e.host + (address - e.addr);
   }
-  void deliver(const off::Completion& c) override { (c.is_receive() ? recv_cq_ : send_cq_)->push(c); }
+  void deliver(const off::Completion& engine_completion) override {
+    off::Completion c = engine_completion;
+    const bool receive = c.is_receive();
+    WrSlot& slot = receive ? recv_slots_[c.wr_id % recv_slots_.size()] : send_slots_[c.wr_id % send_slots_.size()];
+    c.wr_id = slot.wr_id;
+    if (c.status == off::CompletionStatus::success) {
+      if (receive && !tenant_->dirty_gpu.empty()) {
+        // A receive says every earlier write of the peer is in place: on the GPU too.
+        for (GpuShadow* g : tenant_->dirty_gpu) (void)g->flush();
+        tenant_->dirty_gpu.clear();
+      }
+      // The bytes this WR placed in staged GPU destinations (a receive: its
+      // byte count, in SGE order; a READ: all of them).
+      uint64_t left = receive ? c.byte_length : UINT64_MAX;
+      for (const StagedPart& part : slot.parts) {
+        const uint64_t n = std::min<uint64_t>(part.length, left);
+        if (!part.shadow->to_device(part.offset, n).ok()) c.status = off::CompletionStatus::local_protection_error;
+        left -= n;
+      }
+    }
+    if (!slot.signaled && c.status == off::CompletionStatus::success) return;  // signaled only for the staging
+    (receive ? recv_cq_ : send_cq_)->push(c);
+  }
   uint64_t generation() const override { return pd_->context().memory_generation_; }
   bool local_valid(uint32_t lkey, const uint8_t* address, uint64_t length, uint32_t access) override {
     const Tenant& t = *tenant_;
     auto k = t.lkey_to_rkey.find(lkey);
     if (k == t.lkey_to_rkey.end()) return false;
     const MrEntry& e = t.by_rkey.at(k->second);
-    const uint64_t a = reinterpret_cast<uint64_t>(address);
-    return e.pd == pd_.get() && (e.access & access) == access && a >= e.addr && length <= e.length && a - e.addr <= e.length - length;
+    const uint64_t a = reinterpret_cast<uint64_t>(address), base = reinterpret_cast<uint64_t>(e.host);
+    return e.pd == pd_.get() && (e.access & access) == access && a >= base && length <= e.length && a - base <= e.length - length;
   }
 
   off::QpEngine* engine() { return engine_.get(); }
@@ -583,13 +726,26 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
  private:
   SoftContext& context() { return pd_->context(); }
 
-  Status translate(std::span<const Sge> list, off::Segment* out, bool inline_data, uint32_t need) {
+  // Checks an SGE list against the tenant's regions and points the engine's
+  // segments at the memory it may touch (a GPU region's shadow). `need`: 0
+  // for sources, access_local_write for destinations; staged GPU
+  // destinations are recorded in `slot` for the completion to copy back.
+  Status translate(std::span<const Sge> list, off::Segment* out, bool inline_data, uint32_t need, WrSlot& slot) {
     Tenant& t = *tenant_;
     for (size_t i = 0; i < list.size(); ++i) {
       const Sge& s = list[i];
       out[i] = off::Segment{reinterpret_cast<uint8_t*>(s.addr), s.length, inline_data ? 0u : s.lkey};
-      if (inline_data || s.length == 0) continue;
+      if (s.length == 0) continue;
       auto k = t.lkey_to_rkey.find(s.lkey);
+      if (inline_data) {
+        // Inline lkeys are not checked (verbs), but a registered GPU source is staged all the same.
+        if (k == t.lkey_to_rkey.end()) continue;
+        const MrEntry& e = t.by_rkey.at(k->second);
+        if (!e.gpu || e.pd != pd_.get() || s.addr < e.addr || s.length > e.length || s.addr - e.addr > e.length - s.length) continue;
+        if (Status st = e.gpu->to_host(s.addr - e.addr, s.length); !st.ok()) return st;
+        out[i].address = e.host + (s.addr - e.addr);
+        continue;
+      }
       if (k == t.lkey_to_rkey.end())
         return Status(Errc::permission_denied, "SGE " + std::to_string(i) + ": lkey " + std::to_string(s.lkey) + " is not registered in this tenant");
       const MrEntry& e = t.by_rkey.at(k->second);
@@ -597,13 +753,22 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
       if (s.addr < e.addr || s.length > e.length || s.addr - e.addr > e.length - s.length)
         return Status(Errc::permission_denied, "SGE " + std::to_string(i) + ": outside its memory region");
       if ((e.access & need) != need) return Status(Errc::permission_denied, "SGE " + std::to_string(i) + ": region lacks local write access");
+      out[i].address = e.host + (s.addr - e.addr);
+      if (e.gpu) {
+        if (!need) {
+          if (Status st = e.gpu->to_host(s.addr - e.addr, s.length); !st.ok()) return st;
+        } else {
+          slot.parts.push_back({e.gpu, s.addr - e.addr, s.length});
+        }
+      }
     }
     return {};
   }
 
   void flush_early_receives() {
     for (auto& r : early_receives_)
-      recv_cq_->push(off::Completion{r.wr_id, off::CompletionStatus::work_request_flushed, off::CompletionOpcode::receive, 0, 0, false, qpn_});
+      recv_cq_->push(off::Completion{recv_slots_[r.wr_id % recv_slots_.size()].wr_id, off::CompletionStatus::work_request_flushed,
+                                     off::CompletionOpcode::receive, 0, 0, false, qpn_});
     early_receives_.clear();
   }
 
@@ -620,6 +785,9 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
   off::IcrcAddresses rx_addresses_{};
   std::unique_ptr<off::QpEngine> engine_;
   std::vector<off::ReceiveWork> early_receives_;
+  std::vector<WrSlot> send_slots_, recv_slots_;
+  WrSlot pending_slot_;  // the WR being posted
+  uint64_t send_sequence_ = 0, receive_sequence_ = 0;
 };
 
 SoftCq::SoftCq(std::shared_ptr<SoftContext> context, uint32_t entries)
