@@ -2,17 +2,35 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 namespace stellar::coll::detail {
 namespace {
 
+// Integer sums and products wrap around (two's complement), as NCCL's and
+// MPI's do in practice; computed unsigned because signed overflow is
+// undefined in C++.
 template <typename T>
 struct Sum {
-  static T apply(T a, T b) { return a + b; }
+  static T apply(T a, T b) {
+    if constexpr (std::is_integral_v<T>) {
+      using U = std::make_unsigned_t<T>;
+      return T(U(a) + U(b));
+    } else {
+      return a + b;
+    }
+  }
 };
 template <typename T>
 struct Prod {
-  static T apply(T a, T b) { return a * b; }
+  static T apply(T a, T b) {
+    if constexpr (std::is_integral_v<T>) {
+      using U = std::make_unsigned_t<T>;
+      return T(U(a) * U(b));
+    } else {
+      return a * b;
+    }
+  }
 };
 template <typename T>
 struct Min {

@@ -424,6 +424,11 @@ TEST(Reduce, KernelsMatchScalarArithmetic) {
   for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(out[i], std::max(a[i], b[i]));
   detail::reduce(DataType::float32, ReduceOp::prod, a.data(), a.data(), b.data(), a.size());  // in place
   for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i], float(i) * 0.5f * (1000.0f - float(i)));
+  std::vector<int32_t> big{INT32_MAX, INT32_MIN}, two{2, 2}, wrapped(2);
+  detail::reduce(DataType::int32, ReduceOp::prod, wrapped.data(), big.data(), two.data(), 2);  // wraps, no UB
+  EXPECT_EQ(wrapped, (std::vector<int32_t>{-2, 0}));
+  detail::reduce(DataType::int32, ReduceOp::sum, wrapped.data(), big.data(), two.data(), 2);
+  EXPECT_EQ(wrapped, (std::vector<int32_t>{INT32_MIN + 1, INT32_MIN + 2}));
   std::vector<int64_t> x{-7, 9, 10}, y{2, 2, 2};
   detail::reduce(DataType::int64, ReduceOp::sum, x.data(), x.data(), y.data(), 3);
   detail::divide(DataType::int64, x.data(), 3, 2);
