@@ -56,10 +56,12 @@ struct Options {
   uint16_t port = 18515;
   uint16_t udp_port = 0;  // 0: the provider picks (roce mode tries 4791); a fixed one pins the ECMP path on a testbed
   uint64_t size = bandwidth_test ? 65536 : 2;
-  bool all = false, report_gbits = false;
+  bool all = false, report_gbits = false, counters = false;
   uint32_t iterations = bandwidth_test ? 5000 : 1000;
   uint32_t duration = 0;  // seconds, bandwidth tests
   uint32_t qps = 1, tx_depth = 128, mtu = 4096;
+  std::string cc = "auto";
+  uint32_t cc_target_delay_us = 0;  // 0: the provider's default
 };
 
 struct Remote {
@@ -125,6 +127,11 @@ void setup(Side& side) {
   co.provider = check(parse_provider(o.provider), "provider");
   co.mode = check(parse_mode(o.mode), "mode");
   co.bind_address = o.bind;
+  if (o.cc == "none") co.congestion_control = CongestionControl::none;
+  else if (o.cc == "dcqcn") co.congestion_control = CongestionControl::dcqcn;
+  else if (o.cc == "swift") co.congestion_control = CongestionControl::swift;
+  else if (o.cc != "auto") fail("--cc", Status(Errc::invalid_argument, "auto, none, dcqcn or swift"));
+  if (o.cc_target_delay_us) co.cc_target_delay = std::chrono::microseconds(o.cc_target_delay_us);
   co.udp_port = o.udp_port;
   co.mtu = o.mtu;
   side.ctx = check(Context::open(co), "open context");
@@ -360,6 +367,16 @@ BandwidthRow bandwidth_run(Side& side, uint64_t size) {
 
 }  // namespace
 
+void print_counters(const ContextCounters& c) {
+  std::fprintf(stderr,
+               "counters: tx %llu packets %llu bytes, rx %llu packets %llu bytes, retransmitted %llu, timeouts %llu, tail probes %llu, "
+               "duplicates %llu, dropped: malformed %llu unknown-qp %llu out-of-window %llu, send errors %llu\n",
+               (unsigned long long)c.tx_packets, (unsigned long long)c.tx_bytes, (unsigned long long)c.rx_packets, (unsigned long long)c.rx_bytes,
+               (unsigned long long)c.retransmitted_packets, (unsigned long long)c.timeouts, (unsigned long long)c.tail_probes,
+               (unsigned long long)c.rx_duplicates, (unsigned long long)c.rx_dropped_malformed, (unsigned long long)c.rx_dropped_unknown_qp,
+               (unsigned long long)c.rx_dropped_out_of_window, (unsigned long long)c.send_errors);
+}
+
 int main(int argc, char** argv) {
   Options o;
   CLI::App app{std::string("Stellar ") + op_name() + (bandwidth_test ? " bandwidth" : " latency") + " test (perftest style)"};
@@ -373,6 +390,9 @@ int main(int argc, char** argv) {
   app.add_option("-t,--tx-depth", o.tx_depth, "Operations kept in flight (bandwidth)")->capture_default_str()->check(CLI::Range(1u, 4096u));
   app.add_option("-m,--mtu", o.mtu, "Payload bytes per packet")->capture_default_str();
   app.add_flag("--report_gbits", o.report_gbits, "Report bandwidth in Gbit/s");
+  app.add_option("--cc", o.cc, "Soft provider congestion control: auto, none, dcqcn or swift");
+  app.add_option("--cc_target_delay_us", o.cc_target_delay_us, "Swift's queueing-delay target (us; default the provider's)");
+  app.add_flag("--counters", o.counters, "Print the transport's counters (retransmissions, timeouts, drops) to stderr at the end");
   app.add_option("--out_json", o.out_json, "Also write the results to this JSON file");
   app.add_option("--provider", o.provider)->check(CLI::IsMember({"soft", "verbs"}))->capture_default_str();
   app.add_option("--mode", o.mode)->check(CLI::IsMember({"stellar", "roce"}))->capture_default_str();
@@ -402,6 +422,7 @@ int main(int argc, char** argv) {
   }
   if (passive_server) {  // one-sided traffic, or SEND bandwidth (receives are reposted as they complete)
     serve_until_done(side);
+    if (o.counters) print_counters(side.ctx->counters());
     return 0;
   }
   for (uint64_t size : sizes_of(o)) {
@@ -436,5 +457,6 @@ int main(int argc, char** argv) {
   } else {
     serve_until_done(side);  // write/send latency servers: wait for the final marker
   }
+  if (o.counters) print_counters(side.ctx->counters());
   return 0;
 }
