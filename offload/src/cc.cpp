@@ -216,9 +216,17 @@ void SwiftControl::on_loss(uint64_t now_ns) {
 
 void SwiftControl::on_timeout(uint64_t now_ns) {
   // A timeout means even acks stopped: start over from the smallest window.
+  if (window_packets_ > min_window_packets_) window_before_timeout_ = window_packets_;
   window_packets_ = min_window_packets_;
   decreased_ = true;
   last_decrease_ns_ = now_ns;
+}
+
+void SwiftControl::on_spurious_timeout(uint64_t) {
+  // Acks stopped because the peer stalled, not because the path dropped: the
+  // window from before the timeout still matches the path.
+  if (window_before_timeout_ > window_packets_) window_packets_ = clamp(window_before_timeout_);
+  window_before_timeout_ = 0;
 }
 
 bool SwiftControl::can_decrease(uint64_t now_ns) const {

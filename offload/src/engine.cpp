@@ -208,6 +208,11 @@ struct QpEngine::State {
   uint64_t ack_host_delay = 0;          // host delay inside the RTT sample being processed
   uint64_t transmit_now = 0;            // now of the transmit() call building packets
   uint32_t consecutive_timeouts = 0;
+  // Spurious-timeout detection (stellar mode): after a timeout, an ACK for a
+  // packet it declared lost that was never resent proves the original
+  // arrived; the congestion window cut is then undone.
+  bool timeout_undo_possible = false;
+  uint32_t timeout_end = 0;  // max_sent at the timeout: the packets it judged
   uint32_t consecutive_rnr = 0;
   uint64_t rnr_until = 0;
   bool fatal = false;             // a NAK failed a WQE: send nothing at or after fatal_psn
@@ -367,6 +372,11 @@ struct QpEngine::State {
   void mark_done(uint32_t psn, uint64_t now, uint64_t& rtt_sample, uint64_t& acked_bytes) {
     Slot& s = slot(psn);
     if (s.flags & slot_done) return;
+    if (timeout_undo_possible && (s.flags & slot_lost) && !(s.flags & slot_retransmitted) && diff(psn, timeout_end) < 0) {
+      timeout_undo_possible = false;
+      ++counters.spurious_timeouts;
+      cc->on_spurious_timeout(now);
+    }
     if (!(s.flags & slot_retransmitted) && (s.flags & slot_sent)) rtt_sample = now - s.sent_ns;
     if (s.flags & slot_in_flight) --inflight_packets;
     s.flags = uint8_t((s.flags | slot_done) & ~(slot_in_flight | slot_lost));
@@ -468,6 +478,7 @@ struct QpEngine::State {
       slot(una).flags = 0;
       una = add(una, 1);
     }
+    if (timeout_undo_possible && diff(una, timeout_end) >= 0) timeout_undo_possible = false;  // all judged packets settled
     // Keep the scan cursors inside the window so PSN arithmetic stays valid.
     if (diff(una, acked_upto) > 0) acked_upto = una;
     if (diff(una, loss_scan) > 0) loss_scan = una;
@@ -552,6 +563,8 @@ struct QpEngine::State {
       // in-flight estimate drops to zero and the (collapsed) window can open.
       for (uint32_t p = una; diff(p, max_sent) < 0; p = add(p, 1))
         if ((slot(p).flags & (slot_sent | slot_done)) == slot_sent) queue_lost(p);
+      timeout_undo_possible = true;
+      timeout_end = max_sent;
     }
     rto_deadline = now + rto;
     probe_deadline = never;

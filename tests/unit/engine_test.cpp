@@ -536,3 +536,49 @@ TEST(EngineAckDelay, HostDelayIsReportedAndLeftOutOfTheCongestionSignal) {
   EXPECT_GE(p.a->smoothed_rtt_ns(), 300'000u) << "timers must cover the host delay";
   EXPECT_GT(p.a->congestion_control().window_bytes(), window_before) << "4 us of network delay is below target: the window grows";
 }
+
+// F-RTO-style undo: a peer that stalls longer than the RTO (but loses
+// nothing) makes the requester time out and collapse its window; when the
+// ACK then covers packets the timeout declared lost but that were never
+// resent, the timeout was spurious and the window comes back. A stall that
+// really lost the packets leaves the cut in place.
+TEST(EngineSpuriousTimeout, UndoneWhenTheOriginalsArrive) {
+  for (bool really_lost : {false, true}) {
+    EngineConfig base;
+    base.cc = CcAlgorithm::swift;
+    base.cc_config.swift_target_delay_ns = 1'000'000;  // the simulated path is never "congested"
+    Pair p(Mode::stellar, ChannelFaults{}, 5, base);
+    std::vector<uint8_t> target(1 << 20), source = pattern(256 * 1024, 4);
+    const uint32_t rkey = p.memory_b.add(target.data(), target.size(), access_remote_write);
+    auto post = [&](uint64_t id) {
+      SendWork w = make_work(WorkOpcode::rdma_write, id, source.data(), uint32_t(source.size()));
+      w.remote_addr = reinterpret_cast<uint64_t>(target.data());
+      w.rkey = rkey;
+      ASSERT_EQ(p.a->post_send(w, p.now), PostResult::ok);
+    };
+    post(1);
+    ASSERT_TRUE(p.run([&] { return p.cq_a.sends.size() == 1; }));
+    const uint64_t window_before = p.a->congestion_control().window_bytes();
+    ASSERT_GT(window_before, 4096u);
+    post(2);
+    p.pump(*p.a, p.a_to_b);  // the packets leave ...
+    if (really_lost) p.b_alive = false;
+    p.now += 200'000'000;  // ... and nothing comes back for 200 ms: the RTO fires
+    p.pump(*p.a, p.a_to_b);
+    EXPECT_GE(p.a->counters().timeouts, 1u);
+    EXPECT_EQ(p.a->congestion_control().window_bytes(), 4096u) << "a timeout restarts from one packet";
+    if (really_lost) {
+      p.a_to_b.deliver_due(p.now, [](const uint8_t*, size_t) {});  // the originals are gone
+      p.b_alive = true;
+    }
+    ASSERT_TRUE(p.run([&] { return p.cq_a.sends.size() == 2; }));
+    EXPECT_EQ(p.cq_a.sends[1].status, CompletionStatus::success);
+    EXPECT_TRUE(std::memcmp(target.data(), source.data(), source.size()) == 0);
+    if (really_lost) {
+      EXPECT_EQ(p.a->counters().spurious_timeouts, 0u);
+    } else {
+      EXPECT_EQ(p.a->counters().spurious_timeouts, 1u);
+      EXPECT_GE(p.a->congestion_control().window_bytes(), window_before) << "the window from before the stall is back";
+    }
+  }
+}

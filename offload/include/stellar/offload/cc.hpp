@@ -73,6 +73,10 @@ class CongestionControl {
   // Loss detected by SACK / NAK (fast recovery) or by the retransmission timer.
   virtual void on_loss(uint64_t now_ns) = 0;
   virtual void on_timeout(uint64_t now_ns) = 0;
+  // The last timeout was spurious: a packet it declared lost turned out to
+  // have arrived without retransmission (the peer was slow, not the network
+  // lossy, as F-RTO / Eifel detect it). Undo that timeout's reduction.
+  virtual void on_spurious_timeout(uint64_t) {}
   // Advances internal timers (DCQCN alpha/rate timers). Cheap; call on every engine poll.
   virtual void on_tick(uint64_t now_ns) = 0;
   // Whether `bytes` more may be sent now given `inflight_bytes` unacknowledged.
@@ -172,6 +176,7 @@ class SwiftControl final : public CongestionControl {
   void on_congestion_notification(uint64_t) override {}
   void on_loss(uint64_t now_ns) override;
   void on_timeout(uint64_t now_ns) override;
+  void on_spurious_timeout(uint64_t now_ns) override;
   void on_tick(uint64_t) override {}
   bool can_send(uint64_t now_ns, uint64_t inflight_bytes, uint32_t bytes) const override;
   uint64_t next_send_time_ns(uint64_t now_ns, uint64_t inflight_bytes, uint32_t bytes) const override;
@@ -193,6 +198,7 @@ class SwiftControl final : public CongestionControl {
   double min_window_packets_;
   double max_window_packets_;
   double window_packets_;
+  double window_before_timeout_ = 0;  // restored if the timeout proves spurious
   uint64_t rtt_ns_;  // latest RTT sample
   bool decreased_ = false;
   uint64_t last_decrease_ns_ = 0;
