@@ -477,6 +477,62 @@ TEST_P(Loopback, MisuseIsRejectedAndChangesNothing) {
   EXPECT_EQ(qp2->post_recv(RecvWr{3, {&s, 1}}).code(), Errc::queue_full);
 }
 
+// Work posted in ERROR, and work a full queue refused, keep the user's wr_id
+// straight: completions carry the ids that were posted, in order.
+TEST_P(Loopback, FlushedAndRefusedWorkKeepTheirIds) {
+  auto a = Context::open(options_for(GetParam(), false)).value();
+  auto b = Context::open(options_for(GetParam(), false)).value();
+  auto pd_a = a->allocate_pd().value(), pd_b = b->allocate_pd().value();
+  auto cq_a = a->create_cq(64).value(), cq_b = b->create_cq(64).value();
+  QpInitAttributes qa;
+  qa.send_cq = qa.recv_cq = cq_a;
+  qa.cap.max_send_wr = 4;
+  qa.cap.max_recv_wr = 4;
+  auto qp_a = pd_a->create_qp(qa).value();
+  qa.send_cq = qa.recv_cq = cq_b;
+  auto qp_b = pd_b->create_qp(qa).value();
+  std::vector<uint8_t> buf(64);
+  auto mr = pd_a->register_memory(buf.data(), buf.size(), access_local_write).value();
+  QpModify m;
+  m.state = QpState::init;
+  ASSERT_TRUE(qp_a->modify(m).ok());
+  ASSERT_TRUE(qp_b->modify(m).ok());
+  m.state = QpState::rtr;
+  m.remote = qp_b->local_endpoint();
+  ASSERT_TRUE(qp_a->modify(m).ok());
+  m.state = QpState::rts;
+  ASSERT_TRUE(qp_a->modify(m).ok());
+  // b never reaches RTR: nothing a sends is acknowledged, so the queue fills.
+  Sge s{reinterpret_cast<uint64_t>(buf.data()), 8, mr->lkey()};
+  SendWr wr;
+  wr.opcode = WrOpcode::send;
+  wr.sg_list = {&s, 1};
+  for (uint64_t id = 100; id < 104; ++id) {
+    wr.wr_id = id;
+    ASSERT_TRUE(qp_a->post_send(wr).ok());
+  }
+  wr.wr_id = 999;
+  EXPECT_EQ(qp_a->post_send(wr).code(), Errc::queue_full);
+  ASSERT_TRUE(qp_a->post_recv(RecvWr{7, {&s, 1}}).ok());
+  m.state = QpState::error;
+  ASSERT_TRUE(qp_a->modify(m).ok());
+  wr.wr_id = 104;
+  (void)qp_a->post_send(wr);   // completes at once, flushed
+  (void)qp_a->post_recv(RecvWr{8, {&s, 1}});
+  std::vector<uint64_t> sends, receives;
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (sends.size() + receives.size() < 7 && std::chrono::steady_clock::now() < deadline) {
+    WorkCompletion wc[8];
+    const int n = cq_a->poll(wc);
+    for (int i = 0; i < n; ++i) {
+      EXPECT_EQ(wc[i].status, WcStatus::work_request_flushed);
+      (wc[i].opcode == WcOpcode::recv ? receives : sends).push_back(wc[i].wr_id);
+    }
+  }
+  EXPECT_EQ(sends, (std::vector<uint64_t>{100, 101, 102, 103, 104}));
+  EXPECT_EQ(receives, (std::vector<uint64_t>{7, 8}));
+}
+
 TEST_P(Loopback, EngineThreadWithAdaptiveWaitMovesData) {
   Connection c(GetParam(), "", "", {}, ProgressMode::thread);
   ASSERT_TRUE(c.connect_status.ok()) << c.connect_status.to_string();

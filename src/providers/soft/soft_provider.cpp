@@ -610,14 +610,19 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
     if (!slot.parts.empty()) w.signaled = true;  // GPU destination: its completion copies to the device
     if (!engine_) return Status(Errc::wrong_state, "post_send: QP has no connection");
     const uint64_t now = monotonic_ns();
-    switch (engine_->post_send(w, now)) {
+    // In place before the engine sees the WR (it may complete it at once, e.g.
+    // flushed in ERROR); swapped back out if the engine refuses it.
+    WrSlot& placed = send_slots_[sequence % send_slots_.size()];
+    std::swap(placed, slot);
+    const off::PostResult posted = engine_->post_send(w, now);
+    if (posted != off::PostResult::ok) std::swap(placed, slot);
+    switch (posted) {
       case off::PostResult::ok: break;
       case off::PostResult::queue_full: return Status(Errc::queue_full, "post_send: send queue full (max_send_wr " + std::to_string(cap_.max_send_wr) + ")");
       case off::PostResult::invalid_argument: return Status(Errc::invalid_argument, "post_send: rejected by the transport (message too large?)");
       case off::PostResult::qp_in_error: return Status(Errc::wrong_state, "post_send: QP in ERROR");
     }
     send_sequence_ = sequence;
-    std::swap(send_slots_[sequence % send_slots_.size()], slot);
     if (c.options_.progress == ProgressMode::inline_poll) c.flush_engine(*engine_, peer_, now);
     else c.kick();
     return {};
@@ -649,10 +654,13 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
       std::swap(recv_slots_[sequence % recv_slots_.size()], slot);
       return {};
     }
-    switch (engine_->post_receive(r)) {
+    WrSlot& placed = recv_slots_[sequence % recv_slots_.size()];
+    std::swap(placed, slot);  // before the engine may complete it (see post_send)
+    const off::PostResult posted = engine_->post_receive(r);
+    if (posted != off::PostResult::ok) std::swap(placed, slot);
+    switch (posted) {
       case off::PostResult::ok:
         receive_sequence_ = sequence;
-        std::swap(recv_slots_[sequence % recv_slots_.size()], slot);
         return {};
       case off::PostResult::queue_full: return Status(Errc::queue_full, "post_recv: receive queue full (max_recv_wr " + std::to_string(cap_.max_recv_wr) + ")");
       default: return Status(Errc::invalid_argument, "post_recv: rejected");
