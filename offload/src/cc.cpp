@@ -216,7 +216,7 @@ void SwiftControl::on_loss(uint64_t now_ns) {
 
 void SwiftControl::on_timeout(uint64_t now_ns) {
   // A timeout means even acks stopped: start over from the smallest window.
-  if (window_packets_ > min_window_packets_) window_before_timeout_ = window_packets_;
+  window_before_timeout_ = window_packets_;  // what on_spurious_timeout restores (this timeout's only)
   window_packets_ = min_window_packets_;
   decreased_ = true;
   last_decrease_ns_ = now_ns;

@@ -561,9 +561,15 @@ struct QpEngine::State {
     } else {
       // As TCP after an RTO: everything unacknowledged counts as lost, so the
       // in-flight estimate drops to zero and the (collapsed) window can open.
-      for (uint32_t p = una; diff(p, max_sent) < 0; p = add(p, 1))
+      // Undo is only for a silent stall: if a later packet was acknowledged
+      // while the head stayed missing, the head was really lost (and the
+      // un-resent packets an ACK may cover later say nothing about it).
+      bool later_acknowledged = false;
+      for (uint32_t p = una; diff(p, max_sent) < 0; p = add(p, 1)) {
+        if (slot(p).flags & slot_done) later_acknowledged = true;
         if ((slot(p).flags & (slot_sent | slot_done)) == slot_sent) queue_lost(p);
-      timeout_undo_possible = true;
+      }
+      timeout_undo_possible = !later_acknowledged;
       timeout_end = max_sent;
     }
     rto_deadline = now + rto;

@@ -204,6 +204,7 @@ json hello_json(int rank, int world, const CommunicatorOptions& o, const std::ve
   return json{{"type", "hello"},          {"version", 1},           {"rank", rank},
               {"world_size", world},      {"mode", to_string(o.context.mode)},
               {"slots", o.slots},         {"chunk_bytes", o.chunk_bytes},
+              {"allreduce_algorithm", int(o.allreduce_algorithm)}, {"small_message_bytes", o.small_message_bytes},
               {"endpoints", endpoints},   {"landing", landing}};
 }
 
@@ -428,7 +429,8 @@ Status check_hello(const json& h, int world, const json& reference) {
     if (h.at("world_size").get<int>() != world)
       return Status(Errc::invalid_argument, "rank " + std::to_string(r) + " says the world size is " + std::to_string(h.at("world_size").get<int>()) +
                                                 ", rank 0 says " + std::to_string(world));
-    for (const char* key : {"mode", "slots", "chunk_bytes"})
+    // Everything that decides which messages a call sends must agree.
+    for (const char* key : {"mode", "slots", "chunk_bytes", "allreduce_algorithm", "small_message_bytes"})
       if (h.at(key) != reference.at(key))
         return Status(Errc::invalid_argument, "rank " + std::to_string(r) + " uses " + key + "=" + h.at(key).dump() + ", rank 0 uses " + reference.at(key).dump());
     if (h.at("endpoints").size() != size_t(world) || h.at("landing").size() != size_t(world))

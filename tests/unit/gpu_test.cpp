@@ -333,7 +333,15 @@ TEST(SoftProviderGpu, WriteReadAndSendBetweenDeviceBuffersAreStaged) {
               Errc::unsupported) << "staged copies cannot be atomic";
 
     // WRITE_WITH_IMM device -> device: the target's receive completion means the data is on its device.
-    ASSERT_TRUE(b.qp->post_recv(RecvWr{1, {}}).ok());
+    // The receive it consumes has a GPU buffer that the target's own "kernel" changed after
+    // registration: a WRITE_WITH_IMM places nothing there, so it must stay as the kernel left it.
+    CUdeviceptr spare = 0;
+    ASSERT_EQ(d.api().cuMemAlloc(&spare, 4096), CUDA_SUCCESS);
+    auto spare_mr = b.pd->register_memory(reinterpret_cast<void*>(spare), 4096, access_local_write).value();
+    std::vector<uint8_t> kernel_wrote(4096, 0xab);
+    ASSERT_EQ(d.api().cuMemcpyHtoD(spare, kernel_wrote.data(), 4096), CUDA_SUCCESS);
+    Sge spare_sge{spare, 4096, spare_mr->lkey()};
+    ASSERT_TRUE(b.qp->post_recv(RecvWr{1, {&spare_sge, 1}}).ok());
     Sge sge{source, uint32_t(bytes), source_mr->lkey()};
     SendWr write;
     write.wr_id = 10;
@@ -346,8 +354,11 @@ TEST(SoftProviderGpu, WriteReadAndSendBetweenDeviceBuffersAreStaged) {
     EXPECT_EQ(wc.status, WcStatus::success);
     EXPECT_EQ(wc.wr_id, 1u);
     EXPECT_EQ(device_bytes(d, target, bytes), pattern);
+    EXPECT_EQ(device_bytes(d, spare, 4096), kernel_wrote) << "the consumed receive buffer was not overwritten";
     wc = next_completion(a, b);
     EXPECT_EQ(wc.wr_id, 10u);
+    spare_mr.reset();
+    EXPECT_EQ(d.api().cuMemFree(spare), CUDA_SUCCESS);
 
     // The target's owner changes its device buffer; a READ sees the new bytes
     // and lands them on the reader's device when the READ completes.
@@ -388,4 +399,35 @@ TEST(SoftProviderGpu, WriteReadAndSendBetweenDeviceBuffersAreStaged) {
     EXPECT_EQ(device_bytes(d, target, bytes), pattern);
   }
   for (CUdeviceptr p : {source, target, back}) EXPECT_EQ(d.api().cuMemFree(p), CUDA_SUCCESS);
+}
+
+// A peer's plain RDMA WRITE (no later message) reaches the device at the
+// latest when the region is deregistered.
+TEST(SoftProviderGpu, DeregistrationFlushesPeersWrites) {
+  ScopedEnv env("STELLAR_CUDA_LIBRARY", FAKE_LIBCUDA_PATH);
+  const CudaDriver& d = fake();
+  constexpr size_t bytes = 8192;
+  CUdeviceptr target = 0;
+  ASSERT_EQ(d.api().cuMemAlloc(&target, bytes), CUDA_SUCCESS);
+  std::vector<uint8_t> zeros(bytes, 0), source(bytes);
+  std::iota(source.begin(), source.end(), uint8_t(1));
+  ASSERT_EQ(d.api().cuMemcpyHtoD(target, zeros.data(), bytes), CUDA_SUCCESS);
+  {
+    Side a = open_side(), b = open_side();
+    connect(a, b);
+    auto source_mr = a.pd->register_memory(source.data(), bytes, access_local_write).value();
+    auto target_mr = b.pd->register_memory(reinterpret_cast<void*>(target), bytes, access_local_write | access_remote_write).value();
+    Sge sge{reinterpret_cast<uint64_t>(source.data()), uint32_t(bytes), source_mr->lkey()};
+    SendWr write;
+    write.wr_id = 1;
+    write.opcode = WrOpcode::rdma_write;
+    write.sg_list = {&sge, 1};
+    write.remote_addr = target;
+    write.rkey = target_mr->rkey();
+    ASSERT_TRUE(a.qp->post_send(write).ok());
+    EXPECT_EQ(next_completion(a, b).status, WcStatus::success);  // acknowledged: in b's shadow
+    target_mr.reset();
+  }
+  EXPECT_EQ(device_bytes(d, target, bytes), source);
+  EXPECT_EQ(d.api().cuMemFree(target), CUDA_SUCCESS);
 }

@@ -409,7 +409,10 @@ class SoftMr final : public MemoryRegion {
     SoftContext& c = pd_->context();
     std::lock_guard lock(c.mutex_);
     Tenant& t = c.tenants_.at(pd_->tenant());
-    if (e_.gpu) std::erase(t.dirty_gpu, e_.gpu.get());
+    if (e_.gpu) {
+      (void)e_.gpu->flush();  // peers' acknowledged writes reach the device even without a later receive
+      std::erase(t.dirty_gpu, e_.gpu.get());
+    }
     t.by_rkey.erase(e_.rkey);
     t.lkey_to_rkey.erase(e_.lkey);
     ++c.memory_generation_;  // engines re-check posted local segments before using them
@@ -706,7 +709,8 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
       }
       // The bytes this WR placed in staged GPU destinations (a receive: its
       // byte count, in SGE order; a READ: all of them).
-      uint64_t left = receive ? c.byte_length : UINT64_MAX;
+      // A WRITE with immediate consumes the receive but places nothing in it.
+      uint64_t left = c.opcode == off::CompletionOpcode::receive_rdma_with_imm ? 0 : receive ? c.byte_length : UINT64_MAX;
       for (const StagedPart& part : slot.parts) {
         const uint64_t n = std::min<uint64_t>(part.length, left);
         if (!part.shadow->to_device(part.offset, n).ok()) c.status = off::CompletionStatus::local_protection_error;
@@ -750,6 +754,8 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
         if (k == t.lkey_to_rkey.end()) continue;
         const MrEntry& e = t.by_rkey.at(k->second);
         if (!e.gpu || e.pd != pd_.get() || s.addr < e.addr || s.length > e.length || s.addr - e.addr > e.length - s.length) continue;
+        if (Status st = e.gpu->flush(); !st.ok()) return st;  // peers' writes first, or the copy would undo them
+        std::erase(t.dirty_gpu, e.gpu.get());
         if (Status st = e.gpu->to_host(s.addr - e.addr, s.length); !st.ok()) return st;
         out[i].address = e.host + (s.addr - e.addr);
         continue;
@@ -764,6 +770,8 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
       out[i].address = e.host + (s.addr - e.addr);
       if (e.gpu) {
         if (!need) {
+          if (Status st = e.gpu->flush(); !st.ok()) return st;  // peers' writes first, or the copy would undo them
+          std::erase(t.dirty_gpu, e.gpu.get());
           if (Status st = e.gpu->to_host(s.addr - e.addr, s.length); !st.ok()) return st;
         } else {
           slot.parts.push_back({e.gpu, s.addr - e.addr, s.length});
@@ -943,7 +951,9 @@ bool SoftContext::progress_locked(uint64_t now) {
     const uint64_t monotonic_now = monotonic_ns();
     for (int i = 0; i < n; ++i) {
       const uint64_t stamp = rx_[i].arrival_realtime_ns;
-      const uint64_t arrival = stamp && stamp <= realtime_now && realtime_now - stamp < monotonic_now ? monotonic_now - (realtime_now - stamp) : 0;
+      // A stamp more than 1 s old means CLOCK_REALTIME stepped: no host-delay estimate then.
+      const uint64_t age = stamp && stamp <= realtime_now ? realtime_now - stamp : UINT64_MAX;
+      const uint64_t arrival = age < 1'000'000'000 && age < monotonic_now ? monotonic_now - age : 0;
       const uint32_t step = rx_[i].segment_size ? rx_[i].segment_size : std::max<uint32_t>(rx_[i].length, 1);
       if (rx_[i].segment_size) coalesced_ += (rx_[i].length + step - 1) / step;
       for (uint32_t at = 0; at < rx_[i].length || (at == 0 && rx_[i].length == 0); at += step) {
