@@ -62,6 +62,7 @@ struct Options {
   uint32_t qps = 1, tx_depth = 128, mtu = 4096;
   std::string cc = "auto";
   uint32_t cc_target_delay_us = 0;  // 0: the provider's default
+  std::string wait = "busy";        // busy: spin on the CQ (perftest's way); adaptive: spin 50 us, then sleep
 };
 
 struct Remote {
@@ -94,9 +95,16 @@ struct Side {
   bool peer_done = false;  // the end-of-run marker arrived (possibly while draining other work)
   std::vector<WorkCompletion> wc = std::vector<WorkCompletion>(64);
 
-  // Polls once; fails the program on any error completion.
+  // Polls once (adaptive: waits up to 1 ms, sleeping after the spin time);
+  // fails the program on any error completion.
   int poll(std::vector<WorkCompletion>& out) {
-    const int n = cq->poll(out);
+    int n = 0;
+    if (o.wait == "adaptive") {
+      auto r = cq->wait(out, std::chrono::milliseconds(1));
+      n = r.ok() ? *r : 0;
+    } else {
+      n = cq->poll(out);
+    }
     for (int i = 0; i < n; ++i) {
       if (out[size_t(i)].status != WcStatus::success) {
         std::fprintf(stderr, "perftest: completion of wr %llu failed: %s\n", (unsigned long long)out[size_t(i)].wr_id,
@@ -132,6 +140,8 @@ void setup(Side& side) {
   else if (o.cc == "swift") co.congestion_control = CongestionControl::swift;
   else if (o.cc != "auto") fail("--cc", Status(Errc::invalid_argument, "auto, none, dcqcn or swift"));
   if (o.cc_target_delay_us) co.cc_target_delay = std::chrono::microseconds(o.cc_target_delay_us);
+  if (o.wait != "busy" && o.wait != "adaptive") fail("--wait", Status(Errc::invalid_argument, "busy or adaptive"));
+  co.wait = o.wait == "adaptive" ? WaitPolicy::adaptive : WaitPolicy::busy_poll;
   co.udp_port = o.udp_port;
   co.mtu = o.mtu;
   side.ctx = check(Context::open(co), "open context");
@@ -390,6 +400,7 @@ int main(int argc, char** argv) {
   app.add_option("-t,--tx-depth", o.tx_depth, "Operations kept in flight (bandwidth)")->capture_default_str()->check(CLI::Range(1u, 4096u));
   app.add_option("-m,--mtu", o.mtu, "Payload bytes per packet")->capture_default_str();
   app.add_flag("--report_gbits", o.report_gbits, "Report bandwidth in Gbit/s");
+  app.add_option("--wait", o.wait, "busy (spin on the CQ, as perftest) or adaptive (spin 50 us, then sleep: for more processes than cores)");
   app.add_option("--cc", o.cc, "Soft provider congestion control: auto, none, dcqcn or swift");
   app.add_option("--cc_target_delay_us", o.cc_target_delay_us, "Swift's queueing-delay target (us; default the provider's)");
   app.add_flag("--counters", o.counters, "Print the transport's counters (retransmissions, timeouts, drops) to stderr at the end");

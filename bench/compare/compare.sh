@@ -150,8 +150,12 @@ stellar_bw() {  # ENV MODE LOSS_PCT -> GB/s (10^9)
   s=$(addr "$env" "$server_node"); c=$(addr "$env" "$client_node")
   drop=$(fault_env "$env" "$loss")
   [[ $env == tb ]] && pins=(--udp_port 4791) && set_loss tb "$loss"
+  # On the testbed the passive server waits adaptively: a second spinning
+  # process would starve the namespaces' software routers of the 2 cores.
+  local server_wait=()
+  [[ $env == tb ]] && server_wait=(--wait adaptive)
   background on "$env" "$server_node" env STELLAR_FAULT_DROP="$drop" timeout 90 "$bw_bin" --bind "$s" -p $port "${pins[@]}" \
-    --mode "$mode" -s 1048576 -D $bw_seconds -t 16 > /dev/null
+    --mode "$mode" -s 1048576 -D $bw_seconds -t 16 "${server_wait[@]}" > /dev/null
   [[ $env == tb ]] && pins=(--udp_port "$stellar_pin")
   on "$env" "$client_node" env STELLAR_FAULT_DROP="$drop" timeout 90 "$bw_bin" "$s" --bind "$c" -p $port "${pins[@]}" \
     --mode "$mode" -s 1048576 -D $bw_seconds -t 16 | awk '$1 == 1048576 {printf "gbps=%.4f\n", $4 * 1048576 / 1e9}'
@@ -183,17 +187,19 @@ iperf_bw() {  # ENV LOSS_PCT -> GB/s; one TCP stream
   return 0
 }
 incast() {  # MODE: 4 writers on leaf 1 -> host 2.1 behind a 1 Gbit/s tbf; 64 B latency flow 2.2 -> 2.1
+  # The eight bandwidth processes wait adaptively (spin, then sleep): ten
+  # busy-polling processes on a 2-core host would measure the scheduler.
   local mode=$1 h base lat_out started finished files=() writers=()
   "$testbed" set-rate 2 1 1gbit
   next_port; base=$port; port=$((port + 8))
   for h in 1 2 3 4; do
-    background "$testbed" exec 2 1 timeout 90 "$bw_bin" --bind 10.2.1.2 -p $((base + h)) --mode "$mode" -s 65536 -D $incast_seconds -t 64 > /dev/null
+    background "$testbed" exec 2 1 timeout 90 "$bw_bin" --bind 10.2.1.2 -p $((base + h)) --mode "$mode" -s 65536 -D $incast_seconds -t 64 --wait adaptive > /dev/null
   done
   background "$testbed" exec 2 1 timeout 90 "$lat_bin" --bind 10.2.1.2 -p $base --mode "$mode" -s 64 -n $incast_lat_iters > /dev/null
   for h in 1 2 3 4; do
     files+=("$(mktemp)")
     "$testbed" exec 1 $h timeout 90 "$bw_bin" 10.2.1.2 --bind 10.1.$h.2 -p $((base + h)) --mode "$mode" -s 65536 \
-      -D $incast_seconds -t 64 > "${files[-1]}" &
+      -D $incast_seconds -t 64 --wait adaptive > "${files[-1]}" &
     writers+=($!)
   done
   sleep 1  # let the writers fill the queue before sampling latency
