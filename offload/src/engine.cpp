@@ -250,7 +250,7 @@ struct QpEngine::State {
 
   State(const EngineConfig& c, MemoryAccess& m, CompletionSink& s) : config(c), memory(m), sink(s) {
     psn_mask = config.mode == Mode::roce ? 0xffffff : 0xffffffff;
-    uint32_t window = 64;
+    uint32_t window = 128;  // at least the 64 PSNs kept free below plus room to send
     while (window < config.window_packets && window < (1u << 22)) window <<= 1;
     config.window_packets = window;
     window_mask = window - 1;
@@ -285,6 +285,25 @@ struct QpEngine::State {
   Slot& slot(uint32_t psn) { return slots[psn & window_mask]; }
   bool outstanding(uint32_t psn) const { return diff(psn, una) >= 0 && diff(psn, max_sent) < 0; }
 
+  // PSNs one READ request from `psn` asks for. A READ is asked for in pieces
+  // of at most half the window (the responder refuses more, and the
+  // responses must fit the window with the requests behind them): piece k
+  // covers PSNs [first + k*half, first + (k+1)*half). A request asks for the
+  // rest of its piece, never beyond: a re-request from the middle of a piece
+  // must stay inside the PSN range the responder already accepted, as a
+  // verbs requester's retried READ stays inside the original request. Each
+  // piece is the only thing in flight when first sent (read_piece_may_start),
+  // so the WQE's one max_rd_atomic credit covers every piece.
+  uint32_t read_request_packets(const SendWqe& w, uint32_t psn) const {
+    const uint32_t half = config.window_packets / 2;
+    const uint32_t index = uint32_t(diff(psn, w.first_psn));
+    const uint32_t piece_end = std::min(w.packet_count, (index / half + 1) * half);
+    return piece_end - index;
+  }
+  bool read_piece_may_start(const SendWqe& w, uint32_t psn) const {
+    return psn == w.first_psn || diff(psn, max_sent) < 0 || psn == una;
+  }
+
   // =====================================================================
   // requester
   // =====================================================================
@@ -304,8 +323,7 @@ struct QpEngine::State {
       return PostResult::invalid_argument;
     if (sq_count == config.max_send_wr) return PostResult::queue_full;
     const uint32_t packets = is_atomic(work.opcode) ? 1 : std::max<uint32_t>(1, uint32_t((length + config.mtu - 1) / config.mtu));
-    // A READ's responses must fit the PSN window at once; other messages stream through it.
-    if (work.opcode == WorkOpcode::rdma_read && packets > config.window_packets / 2) return PostResult::invalid_argument;
+    // A READ larger than half the PSN window is asked for in pieces (read_request_packets).
 
     const uint32_t index = (sq_head + sq_count) % config.max_send_wr;
     SendWqe& w = sq[index];
@@ -744,7 +762,8 @@ struct QpEngine::State {
   }
 
   // Builds the request packet for PSN psn into b. `whole_read`: a READ request
-  // asks for everything from psn to the end of the READ.
+  // asks for everything from psn to the end of the READ, or of its piece
+  // (read_request_packets); otherwise for the one packet at psn.
   uint32_t build_request(uint32_t psn, uint32_t wqe_index, bool whole_read, TxBuffer& b, uint32_t& psns_used) {
     SendWqe& w = sq[wqe_index];
     const uint32_t index = uint32_t(diff(psn, w.first_psn));
@@ -775,9 +794,8 @@ struct QpEngine::State {
         h.opcode = opcode::read_request;
         h.remote_addr = w.work.remote_addr + offset;
         h.rkey = w.work.rkey;
-        const uint64_t rest = w.length - offset;
-        h.dma_length = uint32_t(whole_read ? rest : std::min<uint64_t>(config.mtu, rest));
-        psns_used = whole_read ? w.packet_count - index : 1;
+        psns_used = whole_read ? read_request_packets(w, psn) : 1;
+        h.dma_length = uint32_t(std::min<uint64_t>(uint64_t(psns_used) * config.mtu, w.length - offset));
         break;
       }
       case WorkOpcode::atomic_fetch_add:
@@ -869,7 +887,9 @@ struct QpEngine::State {
     if (diff(send_psn, sq[index].first_psn) < 0 || diff(send_psn, add(sq[index].first_psn, sq[index].packet_count)) >= 0)
       index = find_wqe(send_psn);
     const SendWqe& w = sq[index];
-    const uint32_t needed = w.work.opcode == WorkOpcode::rdma_read ? uint32_t(diff(add(w.first_psn, w.packet_count), send_psn)) : 1;
+    const bool read = w.work.opcode == WorkOpcode::rdma_read;
+    if (read && !read_piece_may_start(w, send_psn)) return false;
+    const uint32_t needed = read ? read_request_packets(w, send_psn) : 1;
     if (uint32_t(diff(send_psn, una)) + needed > config.window_packets - 64) return false;
     if (needs_response(w.work.opcode) && send_psn == w.first_psn && diff(send_psn, max_sent) >= 0 &&
         outstanding_rd_atomic >= config.max_rd_atomic)
@@ -915,8 +935,9 @@ struct QpEngine::State {
         send_cursor = find_wqe(send_psn);
         w = &sq[send_cursor];
       }
-      const uint32_t needed =
-          w->work.opcode == WorkOpcode::rdma_read ? uint32_t(diff(add(w->first_psn, w->packet_count), send_psn)) : 1;
+      const bool read = w->work.opcode == WorkOpcode::rdma_read;
+      if (read && !read_piece_may_start(*w, send_psn)) break;
+      const uint32_t needed = read ? read_request_packets(*w, send_psn) : 1;
       if (uint32_t(diff(send_psn, una)) + needed > config.window_packets - 64) break;
       const bool first_response_request = needs_response(w->work.opcode) && send_psn == w->first_psn && diff(send_psn, max_sent) >= 0;
       if (first_response_request && outstanding_rd_atomic >= config.max_rd_atomic) break;
@@ -1570,6 +1591,12 @@ uint64_t QpEngine::next_wakeup_ns(uint64_t now_ns) const {
 
 void QpEngine::acknowledge_now(uint64_t now_ns) {
   if (s_->ack_due != never) s_->ack_due = std::min(s_->ack_due, now_ns);
+}
+
+size_t QpEngine::transmit_final_acknowledgement(TxBuffer* buffers, size_t count, uint64_t now_ns) {
+  if (s_->error) return 0;
+  acknowledge_now(now_ns);
+  return s_->transmit_ack(buffers, count, now_ns);
 }
 
 void QpEngine::enter_error() { s_->enter_error(); }

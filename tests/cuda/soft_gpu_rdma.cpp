@@ -219,6 +219,7 @@ int client(uint16_t port, size_t bytes, int iterations) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // the children end with _Exit: nothing may wait in a buffer
   const size_t bytes = argc > 1 ? std::strtoull(argv[1], nullptr, 0) : size_t(64) << 20;
   const int iterations = argc > 2 ? std::atoi(argv[2]) : 20;
   if (bytes == 0 || bytes > (size_t(1) << 31) || iterations <= 0) {

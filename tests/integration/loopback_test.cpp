@@ -533,6 +533,40 @@ TEST_P(Loopback, FlushedAndRefusedWorkKeepTheirIds) {
   EXPECT_EQ(receives, (std::vector<uint64_t>{7, 8}));
 }
 
+// A process that takes its last message and destroys its QP at once (as one
+// that exits does) must still acknowledge it: the sender's SEND succeeds
+// instead of retrying into a closed QP until retry_exceeded.
+TEST_P(Loopback, DestroyingAQpAcknowledgesWhatItReceived) {
+  QpTiming timing;
+  timing.rto_min = 1ms;
+  timing.retry_count = 2;
+  Connection c(GetParam(), "", "", timing);
+  ASSERT_TRUE(c.connect_status.ok()) << c.connect_status.to_string();
+  std::vector<uint8_t> inbox(64, 0);
+  auto rmr = c.pd_b->register_memory(inbox.data(), inbox.size(), access_local_write).value();
+  Sge r{reinterpret_cast<uint64_t>(inbox.data()), uint32_t(inbox.size()), rmr->lkey()};
+  ASSERT_TRUE(c.qp_b->post_recv(RecvWr{5, {&r, 1}}).ok());
+  SendWr bye;
+  bye.wr_id = 6;
+  bye.opcode = WrOpcode::send_with_imm;
+  bye.imm_data = 2;
+  ASSERT_TRUE(c.qp_a->post_send(bye).ok());
+  WorkCompletion got[1];
+  int n = 0;
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (n == 0 && std::chrono::steady_clock::now() < deadline) {
+    c.a->progress();
+    n = c.cq_b->poll(got);
+  }
+  ASSERT_EQ(n, 1);
+  EXPECT_EQ(got[0].status, WcStatus::success);
+  c.qp_b.reset();  // at once: the acknowledgement is still held back for piggy-backing
+  auto sent = collect(*c.cq_a, 1, 10s);
+  ASSERT_EQ(sent.size(), 1u);
+  EXPECT_EQ(sent[0].wr_id, 6u);
+  EXPECT_EQ(sent[0].status, WcStatus::success) << to_string(sent[0].status);
+}
+
 TEST_P(Loopback, EngineThreadWithAdaptiveWaitMovesData) {
   Connection c(GetParam(), "", "", {}, ProgressMode::thread);
   ASSERT_TRUE(c.connect_status.ok()) << c.connect_status.to_string();

@@ -363,6 +363,12 @@ class SoftContext final : public Context {
     }
   }
 
+  // A QP being destroyed: its held-back acknowledgement, nothing else.
+  void send_final_acknowledgement(off::QpEngine& engine, const sockaddr_in& peer) {
+    const size_t n = engine.transmit_final_acknowledgement(tx_, 1, monotonic_ns());
+    if (n) send_datagrams(n, peer);
+  }
+
   bool progress_locked(uint64_t now);
   uint64_t next_wakeup_locked(uint64_t now);
   const sockaddr_in& local_socket() const { return socket_.local(); }
@@ -488,6 +494,9 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
     Tenant& t = c.tenants_.at(pd_->tenant());
     t.qpns.erase(qpn_);
     if (engine_) {
+      // Acknowledge what was delivered here before the QP goes: the peer's
+      // last SEND (a "bye") must complete there, not retry into a closed QP.
+      c.send_final_acknowledgement(*engine_, peer_);
       c.qps_.erase(uint64_t(pkey_) << 32 | qpn_);
       accumulate(c.retired_, engine_->counters());
     }

@@ -232,6 +232,13 @@ class QpEngine {
   // for a while, so that the peer's sends still complete.
   void acknowledge_now(uint64_t now_ns);
 
+  // For a QP being destroyed: its acknowledgement of what it accepted, if one
+  // is held back, and nothing else (no requests, no READ responses). What
+  // was delivered here must complete at the peer, as a NIC that acknowledged
+  // at once would have it; what was not is the peer's timeout. Returns the
+  // datagrams written (0 or 1).
+  size_t transmit_final_acknowledgement(TxBuffer* buffers, size_t count, uint64_t now_ns);
+
   // Moves to the error state: everything posted completes with
   // work_request_flushed (verbs semantics of a QP in ERROR).
   void enter_error();
