@@ -31,6 +31,7 @@ struct SendWqe {
   CompletionStatus status = CompletionStatus::success;
   bool failed = false;
   uint64_t generation = 0;  // MemoryAccess::generation() when the segments were last known valid
+  uint32_t credits = 0;     // max_rd_atomic credits held: READ pieces or the atomic sent, not yet below una
 };
 
 struct Slot {
@@ -199,7 +200,7 @@ struct QpEngine::State {
   std::vector<uint32_t> lost;     // stellar: PSNs to retransmit, ring
   uint32_t lost_head = 0, lost_count = 0;
   uint32_t inflight_packets = 0;
-  uint32_t outstanding_rd_atomic = 0;  // READ/atomic WQEs sent and not completed
+  uint32_t outstanding_rd_atomic = 0;  // READ pieces and atomics sent and not yet below una
   uint64_t rto_deadline = never;
   uint64_t probe_deadline = never;
   uint64_t rto = 0;
@@ -285,24 +286,34 @@ struct QpEngine::State {
   Slot& slot(uint32_t psn) { return slots[psn & window_mask]; }
   bool outstanding(uint32_t psn) const { return diff(psn, una) >= 0 && diff(psn, max_sent) < 0; }
 
-  // PSNs one READ request from `psn` asks for. A READ is asked for in pieces
-  // of at most half the window (the responder refuses more, and the
-  // responses must fit the window with the requests behind them): piece k
-  // covers PSNs [first + k*half, first + (k+1)*half). A request asks for the
-  // rest of its piece, never beyond: a re-request from the middle of a piece
-  // must stay inside the PSN range the responder already accepted, as a
-  // verbs requester's retried READ stays inside the original request. Each
-  // piece is the only thing in flight when first sent (read_piece_may_start),
-  // so the WQE's one max_rd_atomic credit covers every piece.
+  // A READ is asked for in pieces: piece k covers PSNs [first + k*piece,
+  // first + (k+1)*piece). At most half the window (the responder refuses
+  // more, and the responses must fit the window with the requests behind
+  // them) and at most max_read_request_packets: a piece's responses arrive as
+  // one burst, which a software requester's socket must hold. Each piece
+  // takes a max_rd_atomic credit when first sent and returns it when una
+  // passes its end, so pieces pipeline (congestion control gates them by the
+  // response packets they put in flight) without ever having more requests
+  // at the responder than max_rd_atomic.
+  uint32_t read_piece_packets() const {
+    return std::max<uint32_t>(1, std::min(config.max_read_request_packets, config.window_packets / 2));
+  }
+  // PSNs one READ request from `psn` asks for: the rest of its piece, never
+  // beyond. A re-request from the middle of a piece must stay inside the PSN
+  // range the responder already accepted, as a verbs requester's retried
+  // READ stays inside the original request.
   uint32_t read_request_packets(const SendWqe& w, uint32_t psn) const {
-    const uint32_t half = config.window_packets / 2;
+    const uint32_t piece = read_piece_packets();
     const uint32_t index = uint32_t(diff(psn, w.first_psn));
-    const uint32_t piece_end = std::min(w.packet_count, (index / half + 1) * half);
-    return piece_end - index;
+    return std::min(w.packet_count, (index / piece + 1) * piece) - index;
   }
-  bool read_piece_may_start(const SendWqe& w, uint32_t psn) const {
-    return psn == w.first_psn || diff(psn, max_sent) < 0 || psn == una;
+  // Whether the request at psn needs a max_rd_atomic credit: the first
+  // transmission of an atomic or of a READ piece (retransmissions reuse it).
+  bool needs_credit(const SendWqe& w, uint32_t psn) const {
+    if (!needs_response(w.work.opcode) || diff(psn, max_sent) < 0) return false;
+    return psn == w.first_psn || uint32_t(diff(psn, w.first_psn)) % read_piece_packets() == 0;
   }
+
 
   // =====================================================================
   // requester
@@ -333,6 +344,7 @@ struct QpEngine::State {
     w.packet_count = packets;
     w.status = CompletionStatus::success;
     w.failed = false;
+    w.credits = 0;
     w.generation = memory.generation();
     w.receive_sequence = consumes_receive(work.opcode) ? next_receive_sequence++ : 0;
     if (work.inline_data) {
@@ -493,6 +505,14 @@ struct QpEngine::State {
 
   void advance_una() {
     while (diff(max_sent, una) > 0 && (slot(una).flags & slot_done)) {
+      SendWqe& w = sq[slot(una).wqe];
+      if (w.work.opcode == WorkOpcode::rdma_read && w.credits > 0) {
+        const uint32_t below = uint32_t(diff(una, w.first_psn)) + 1;  // w's packets below una after this one
+        if (below % read_piece_packets() == 0 || below == w.packet_count) {
+          --w.credits;  // a whole piece is in: its credit comes back
+          if (outstanding_rd_atomic > 0) --outstanding_rd_atomic;
+        }
+      }
       slot(una).flags = 0;
       una = add(una, 1);
     }
@@ -514,7 +534,8 @@ struct QpEngine::State {
       const uint32_t end = add(w.first_psn, w.packet_count);
       const uint32_t sent_end = diff(end, max_sent) > 0 ? max_sent : end;
       if (diff(una, w.failed ? sent_end : end) < 0) break;
-      if (needs_response(w.work.opcode) && outstanding_rd_atomic > 0) --outstanding_rd_atomic;
+      outstanding_rd_atomic -= std::min(outstanding_rd_atomic, w.credits);  // an atomic's, or a failed READ's rest
+      w.credits = 0;
       if (w.failed) {
         Completion c;
         c.wr_id = w.work.wr_id;
@@ -761,10 +782,10 @@ struct QpEngine::State {
     complete_sends();
   }
 
-  // Builds the request packet for PSN psn into b. `whole_read`: a READ request
-  // asks for everything from psn to the end of the READ, or of its piece
-  // (read_request_packets); otherwise for the one packet at psn.
-  uint32_t build_request(uint32_t psn, uint32_t wqe_index, bool whole_read, TxBuffer& b, uint32_t& psns_used) {
+  // Builds the request packet for PSN psn into b. A READ request asks for
+  // `read_packets` response packets from psn (at most to the end of its
+  // piece, read_request_packets).
+  uint32_t build_request(uint32_t psn, uint32_t wqe_index, uint32_t read_packets, TxBuffer& b, uint32_t& psns_used) {
     SendWqe& w = sq[wqe_index];
     const uint32_t index = uint32_t(diff(psn, w.first_psn));
     const uint64_t offset = uint64_t(index) * config.mtu;
@@ -794,7 +815,7 @@ struct QpEngine::State {
         h.opcode = opcode::read_request;
         h.remote_addr = w.work.remote_addr + offset;
         h.rkey = w.work.rkey;
-        psns_used = whole_read ? read_request_packets(w, psn) : 1;
+        psns_used = std::max<uint32_t>(1, std::min(read_packets, read_request_packets(w, psn)));
         h.dma_length = uint32_t(std::min<uint64_t>(uint64_t(psns_used) * config.mtu, w.length - offset));
         break;
       }
@@ -887,13 +908,9 @@ struct QpEngine::State {
     if (diff(send_psn, sq[index].first_psn) < 0 || diff(send_psn, add(sq[index].first_psn, sq[index].packet_count)) >= 0)
       index = find_wqe(send_psn);
     const SendWqe& w = sq[index];
-    const bool read = w.work.opcode == WorkOpcode::rdma_read;
-    if (read && !read_piece_may_start(w, send_psn)) return false;
-    const uint32_t needed = read ? read_request_packets(w, send_psn) : 1;
+    const uint32_t needed = w.work.opcode == WorkOpcode::rdma_read ? read_request_packets(w, send_psn) : 1;
     if (uint32_t(diff(send_psn, una)) + needed > config.window_packets - 64) return false;
-    if (needs_response(w.work.opcode) && send_psn == w.first_psn && diff(send_psn, max_sent) >= 0 &&
-        outstanding_rd_atomic >= config.max_rd_atomic)
-      return false;
+    if (needs_credit(w, send_psn) && outstanding_rd_atomic >= config.max_rd_atomic) return false;
     return true;
   }
 
@@ -911,8 +928,18 @@ struct QpEngine::State {
         continue;
       }
       if (!may_send_request(now, config.mtu)) return n;
+      // Lost READ responses in a row (a timeout marks a whole piece lost) are
+      // asked for again with one request, not one request per packet: a
+      // responder that was only slow would otherwise be buried in requests.
+      uint32_t run = 1;
+      if (sq[s.wqe].work.opcode == WorkOpcode::rdma_read) {
+        const uint32_t limit = std::min(lost_count, read_request_packets(sq[s.wqe], psn));
+        while (run < limit && lost[(lost_head + run) % lost.size()] == add(psn, run) &&
+               (slot(add(psn, run)).flags & (slot_lost | slot_done)) == slot_lost)
+          ++run;
+      }
       uint32_t used = 0;
-      if (!build_request(psn, s.wqe, false, buffers[n], used)) {
+      if (!build_request(psn, s.wqe, run, buffers[n], used)) {
         if (!local_fault) return n;
         local_fault = false;
         fail_wqe(s.wqe, CompletionStatus::local_protection_error);
@@ -923,8 +950,8 @@ struct QpEngine::State {
       cc->on_send(now, buffers[n].length);
       ++counters.retransmitted_packets;
       ++counters.fast_retransmits;
-      lost_head = (lost_head + 1) % lost.size();
-      --lost_count;
+      lost_head = (lost_head + used) % lost.size();
+      lost_count -= used;
       ++n;
     }
     // In-order transmission (first transmissions; after a rewind, go-back-N).
@@ -935,12 +962,10 @@ struct QpEngine::State {
         send_cursor = find_wqe(send_psn);
         w = &sq[send_cursor];
       }
-      const bool read = w->work.opcode == WorkOpcode::rdma_read;
-      if (read && !read_piece_may_start(*w, send_psn)) break;
-      const uint32_t needed = read ? read_request_packets(*w, send_psn) : 1;
+      const uint32_t needed = w->work.opcode == WorkOpcode::rdma_read ? read_request_packets(*w, send_psn) : 1;
       if (uint32_t(diff(send_psn, una)) + needed > config.window_packets - 64) break;
-      const bool first_response_request = needs_response(w->work.opcode) && send_psn == w->first_psn && diff(send_psn, max_sent) >= 0;
-      if (first_response_request && outstanding_rd_atomic >= config.max_rd_atomic) break;
+      const bool credit = needs_credit(*w, send_psn);
+      if (credit && outstanding_rd_atomic >= config.max_rd_atomic) break;
       if (w->failed) {
         send_psn = add(w->first_psn, w->packet_count);
         continue;
@@ -948,7 +973,7 @@ struct QpEngine::State {
       if (!may_send_request(now, config.mtu)) break;
       const bool retransmission = diff(send_psn, max_sent) < 0;
       uint32_t used = 0;
-      if (!build_request(send_psn, send_cursor, true, buffers[n], used)) {
+      if (!build_request(send_psn, send_cursor, needed, buffers[n], used)) {
         if (!local_fault) break;
         local_fault = false;
         fail_wqe(send_cursor, CompletionStatus::local_protection_error);
@@ -957,7 +982,10 @@ struct QpEngine::State {
       record_sent(send_psn, used, send_cursor, now, retransmission);
       cc->on_send(now, buffers[n].length);
       if (retransmission) ++counters.retransmitted_packets;
-      if (first_response_request) ++outstanding_rd_atomic;
+      if (credit) {
+        ++outstanding_rd_atomic;
+        ++w->credits;
+      }
       send_psn = add(send_psn, used);
       if (send_psn != assign_psn && diff(send_psn, add(w->first_psn, w->packet_count)) >= 0)
         send_cursor = (send_cursor + 1) % config.max_send_wr;
@@ -1330,6 +1358,17 @@ struct QpEngine::State {
       }
       reads[(reads_head + reads_count) % reads.size()] = ReadResponse{h.psn, h.remote_addr, h.rkey, length, packets, 0};
       ++reads_count;
+      // A re-request can start inside what was accepted and reach past it:
+      // the first request for a piece was lost and a one-packet probe took
+      // its place. The PSNs past epsn are this READ's own: accept them, or
+      // every later request waits behind a PSN nobody will send again.
+      const uint32_t end = add(h.psn, packets);
+      if (diff(end, epsn) > 0 && !responder_failed) {
+        mark_received(epsn, uint32_t(diff(end, epsn)));
+        schedule_ack(now, true);
+        complete_receives();  // messages that arrived ahead of the gap are in order now
+        drain_pending(now);
+      }
       return;
     }
     if (h.opcode == opcode::compare_swap || h.opcode == opcode::fetch_add) {

@@ -156,6 +156,9 @@ struct EngineConfig {
   uint64_t ack_delay_ns = 10'000;  // hold a pure ACK this long hoping to piggy-back it
   uint32_t ack_every_packets = 16;
   uint32_t max_read_responses = 64;  // outstanding inbound READs served at once
+  uint32_t max_read_request_packets = 256;  // a READ is asked for in pieces of at most this many
+                                            // packets (and half the window): the responder sends a
+                                            // piece in one burst, which the requester's socket must hold
   uint32_t max_rd_atomic = 16;       // READs + atomics this side keeps outstanding (verbs max_rd_atomic;
                                      // below the responder's atomic replay cache of 32)
   CcAlgorithm cc = CcAlgorithm::none;
