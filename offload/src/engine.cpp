@@ -32,6 +32,7 @@ struct SendWqe {
   bool failed = false;
   uint64_t generation = 0;  // MemoryAccess::generation() when the segments were last known valid
   uint32_t credits = 0;     // max_rd_atomic credits held: READ pieces or the atomic sent, not yet below una
+  uint32_t ready = 0;       // payload bytes that may be sent (all of it unless SendWork::staged)
 };
 
 struct Slot {
@@ -307,6 +308,13 @@ struct QpEngine::State {
     const uint32_t index = uint32_t(diff(psn, w.first_psn));
     return std::min(w.packet_count, (index / piece + 1) * piece) - index;
   }
+  // Whether the packet at psn carries payload that is not in place yet
+  // (a staged source still being copied).
+  bool waits_for_payload(const SendWqe& w, uint32_t psn) const {
+    if (w.ready >= w.length) return false;
+    const uint64_t offset = uint64_t(diff(psn, w.first_psn)) * config.mtu;
+    return offset + std::min<uint64_t>(config.mtu, w.length - offset) > w.ready;
+  }
   // Whether the request at psn needs a max_rd_atomic credit: the first
   // transmission of an atomic or of a READ piece (retransmissions reuse it).
   bool needs_credit(const SendWqe& w, uint32_t psn) const {
@@ -345,6 +353,7 @@ struct QpEngine::State {
     w.status = CompletionStatus::success;
     w.failed = false;
     w.credits = 0;
+    w.ready = work.staged && !work.inline_data && !needs_response(work.opcode) ? 0 : w.length;
     w.generation = memory.generation();
     w.receive_sequence = consumes_receive(work.opcode) ? next_receive_sequence++ : 0;
     if (work.inline_data) {
@@ -910,6 +919,7 @@ struct QpEngine::State {
     const SendWqe& w = sq[index];
     const uint32_t needed = w.work.opcode == WorkOpcode::rdma_read ? read_request_packets(w, send_psn) : 1;
     if (uint32_t(diff(send_psn, una)) + needed > config.window_packets - 64) return false;
+    if (!w.failed && waits_for_payload(w, send_psn)) return false;
     if (needs_credit(w, send_psn) && outstanding_rd_atomic >= config.max_rd_atomic) return false;
     return true;
   }
@@ -970,6 +980,7 @@ struct QpEngine::State {
         send_psn = add(w->first_psn, w->packet_count);
         continue;
       }
+      if (waits_for_payload(*w, send_psn)) break;  // set_ready() wakes the host's loop
       if (!may_send_request(now, config.mtu)) break;
       const bool retransmission = diff(send_psn, max_sent) < 0;
       uint32_t used = 0;
@@ -1639,6 +1650,17 @@ size_t QpEngine::transmit_final_acknowledgement(TxBuffer* buffers, size_t count,
 }
 
 void QpEngine::enter_error() { s_->enter_error(); }
+
+bool QpEngine::set_ready(uint64_t wr_id, uint32_t bytes) {
+  State& s = *s_;
+  for (uint32_t i = 0; i < s.sq_count; ++i) {
+    SendWqe& w = s.sq[(s.sq_head + i) % s.config.max_send_wr];
+    if (w.work.wr_id != wr_id) continue;
+    w.ready = std::max(w.ready, std::min(bytes, w.length));
+    return true;
+  }
+  return false;
+}
 bool QpEngine::in_error() const { return s_->error; }
 uint32_t QpEngine::outstanding_sends() const { return s_->sq_count; }
 const EngineCounters& QpEngine::counters() const { return s_->counters; }

@@ -84,6 +84,11 @@ Result<const CudaDriver*> CudaDriver::load(const std::string& requested) {
   need("cuStreamCreate", a.cuStreamCreate);
   need("cuStreamSynchronize", a.cuStreamSynchronize);
   need("cuStreamDestroy_v2", a.cuStreamDestroy);
+  need("cuEventCreate", a.cuEventCreate);
+  need("cuEventRecord", a.cuEventRecord);
+  need("cuEventQuery", a.cuEventQuery);
+  need("cuEventSynchronize", a.cuEventSynchronize);
+  need("cuEventDestroy_v2", a.cuEventDestroy);
   resolve(library, "cuMemGetHandleForAddressRange", a.cuMemGetHandleForAddressRange);  // optional: R515+
   if (!missing.empty()) {
     dlclose(library);  // nothing of it ran yet, so unloading is safe here

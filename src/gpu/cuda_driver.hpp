@@ -29,11 +29,14 @@ struct CUctx_st;
 using CUcontext = CUctx_st*;
 struct CUstream_st;
 using CUstream = CUstream_st*;
+struct CUevent_st;
+using CUevent = CUevent_st*;
 
 inline constexpr CUresult CUDA_SUCCESS = 0;
 inline constexpr CUresult CUDA_ERROR_INVALID_VALUE = 1;
 inline constexpr CUresult CUDA_ERROR_NOT_INITIALIZED = 3;
 inline constexpr CUresult CUDA_ERROR_NO_DEVICE = 100;
+inline constexpr CUresult CUDA_ERROR_NOT_READY = 600;  // cuEventQuery: the work before the event is still running
 inline constexpr CUresult CUDA_ERROR_NOT_SUPPORTED = 801;
 
 enum CUpointer_attribute : int {
@@ -55,6 +58,7 @@ enum CUdevice_attribute : int {
 enum CUmemRangeHandleType : int { CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD = 1 };
 inline constexpr unsigned CU_MEMHOSTALLOC_PORTABLE = 0x01;
 inline constexpr unsigned CU_STREAM_NON_BLOCKING = 0x01;
+inline constexpr unsigned CU_EVENT_DISABLE_TIMING = 0x02;
 
 // The resolved entry points. Names are the ABI symbols (cuMemcpyHtoD is
 // exported as cuMemcpyHtoD_v2, and so on). All are non-null after a
@@ -88,6 +92,11 @@ struct CudaApi {
   CUresult (*cuStreamCreate)(CUstream*, unsigned flags);
   CUresult (*cuStreamSynchronize)(CUstream);
   CUresult (*cuStreamDestroy)(CUstream);                     // cuStreamDestroy_v2
+  CUresult (*cuEventCreate)(CUevent*, unsigned flags);
+  CUresult (*cuEventRecord)(CUevent, CUstream);
+  CUresult (*cuEventQuery)(CUevent);                         // CUDA_SUCCESS or CUDA_ERROR_NOT_READY
+  CUresult (*cuEventSynchronize)(CUevent);
+  CUresult (*cuEventDestroy)(CUevent);                       // cuEventDestroy_v2
 };
 
 class CudaDriver {

@@ -686,3 +686,40 @@ TEST_P(EngineModes, ReadLargerThanHalfTheWindowOnAPacedLinkNeedsNoRetransmission
   EXPECT_EQ(p.a->counters().timeouts, 0u);
   EXPECT_EQ(p.a->counters().retransmitted_packets, 0u);
 }
+
+TEST_P(EngineModes, StagedPayloadGoesOutOnlyAsItBecomesReady) {
+  // A GPU source is copied to the host in chunks; the engine must not send a
+  // byte past what set_ready() vouched for, and the WQEs behind it wait.
+  Pair p(GetParam(), {}, 41);
+  std::vector<uint8_t> target(100 * 1024, 0);
+  const uint32_t rkey = p.memory_b.add(target.data(), target.size(), access_remote_write);
+  auto source = pattern(target.size(), 12);
+  std::vector<uint8_t> staging(source.size(), 0xee);  // filled "by the copy engine" below
+  SendWork write = make_work(WorkOpcode::rdma_write, 1, staging.data(), uint32_t(staging.size()));
+  write.remote_addr = reinterpret_cast<uint64_t>(target.data());
+  write.rkey = rkey;
+  write.staged = true;
+  uint64_t word = 7;
+  SendWork after = make_work(WorkOpcode::rdma_write, 2, &word, 8);
+  after.remote_addr = reinterpret_cast<uint64_t>(target.data());
+  after.rkey = rkey;
+  ASSERT_EQ(p.a->post_send(write, p.now), PostResult::ok);
+  ASSERT_EQ(p.a->post_send(after, p.now), PostResult::ok);
+  EXPECT_FALSE(p.run([&] { return !p.cq_a.sends.empty(); }, 50'000'000));
+  EXPECT_EQ(p.a->counters().tx_packets, 0u) << "nothing is ready";
+  EXPECT_EQ(p.a->next_wakeup_ns(p.now), UINT64_MAX) << "a host must not spin on a WQE that waits for its payload";
+  // 40000 bytes land: the first 9 full 4 KiB packets may go, not the 10th.
+  std::memcpy(staging.data(), source.data(), 40000);
+  EXPECT_TRUE(p.a->set_ready(1, 40000));
+  EXPECT_FALSE(p.run([&] { return !p.cq_a.sends.empty(); }, 50'000'000));
+  EXPECT_EQ(0, std::memcmp(target.data(), source.data(), 9 * 4096));
+  EXPECT_TRUE(std::all_of(target.begin() + 9 * 4096, target.end(), [](uint8_t b) { return b == 0; }));
+  std::memcpy(staging.data(), source.data(), source.size());
+  EXPECT_TRUE(p.a->set_ready(1, uint32_t(source.size())));
+  ASSERT_TRUE(p.run([&] { return p.cq_a.sends.size() == 2; }));
+  EXPECT_EQ(p.cq_a.sends[0].status, CompletionStatus::success);
+  EXPECT_EQ(p.cq_a.sends[1].status, CompletionStatus::success);
+  EXPECT_EQ(0, std::memcmp(target.data() + 8, source.data() + 8, source.size() - 8));
+  EXPECT_EQ(0, std::memcmp(target.data(), &word, 8)) << "the later WRITE landed after the staged one";
+  EXPECT_FALSE(p.a->set_ready(1, 1)) << "completed WQEs are gone";
+}

@@ -3,6 +3,9 @@
 // staged copies run in tests on machines without a GPU. "Device memory" is
 // one host buffer that cuMemAlloc hands out; copies are memcpy. fake_cuda_*
 // functions let the test steer and observe it (dlsym them from the handle).
+// Async copies run at once unless fake_cuda_set_deferred(1): then they queue
+// on "the stream" and each cuEventQuery runs one of them, so a poller sees
+// events complete one at a time, as a copy engine's would.
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -10,13 +13,14 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <vector>
 
 using CUresult = int;
 using CUdeviceptr = unsigned long long;
 
 namespace {
-constexpr size_t arena_size = 1 << 20;
+constexpr size_t arena_size = 8 << 20;
 alignas(65536) unsigned char arena[arena_size];  // the "device memory"
 struct Allocation {
   size_t offset, size;
@@ -30,6 +34,33 @@ int primary_retained = 0, streams = 0, pinned = 0;
 thread_local std::vector<void*> context_stack;
 CUdeviceptr last_export_start = 0;
 size_t last_export_size = 0;
+struct Copy {
+  void* to;
+  const void* from;
+  size_t bytes;
+};
+int deferred = 0;
+std::deque<Copy> queued;        // async copies not yet run (deferred mode)
+unsigned long long done_copies = 0, queued_copies = 0;
+int events = 0;
+struct Event {
+  unsigned long long after = 0;  // copies that must have run for the event to complete
+};
+void run_one() {
+  if (queued.empty()) return;
+  std::memcpy(queued.front().to, queued.front().from, queued.front().bytes);
+  queued.pop_front();
+  ++done_copies;
+}
+void run_all() {
+  while (!queued.empty()) run_one();
+}
+CUresult async_copy(void* to, const void* from, size_t n) {
+  ++queued_copies;
+  queued.push_back(Copy{to, from, n});
+  if (!deferred) run_all();
+  return 0;
+}
 
 const Allocation* allocation_of(CUdeviceptr p) {
   const auto base = reinterpret_cast<uintptr_t>(arena);
@@ -47,6 +78,13 @@ int fake_cuda_primary_retained() { return primary_retained; }
 int fake_cuda_streams() { return streams; }
 int fake_cuda_pinned() { return pinned; }
 int fake_cuda_context_depth() { return static_cast<int>(context_stack.size()); }
+void fake_cuda_set_deferred(int v) {
+  deferred = v;
+  if (!v) run_all();
+}
+int fake_cuda_events() { return events; }
+unsigned long long fake_cuda_async_copies() { return queued_copies; }
+unsigned long long fake_cuda_pending_copies() { return queued.size(); }
 void fake_cuda_last_export(CUdeviceptr* start, size_t* size) { *start = last_export_start, *size = last_export_size; }
 
 // ---- driver API ----
@@ -135,15 +173,41 @@ CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void* s, size_t n) { std::memcpy(r
 CUresult cuMemcpyDtoH_v2(void* d, CUdeviceptr s, size_t n) { std::memcpy(d, reinterpret_cast<void*>(s), n); return 0; }
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void* s, size_t n, void* stream) {
   if (!stream || !in_allocation(d) || !in_allocation(d + n - 1)) return 1;
-  std::memcpy(reinterpret_cast<void*>(d), s, n);
-  return 0;
+  return async_copy(reinterpret_cast<void*>(d), s, n);
 }
 CUresult cuMemcpyDtoHAsync_v2(void* d, CUdeviceptr s, size_t n, void* stream) {
   if (!stream || !in_allocation(s) || !in_allocation(s + n - 1)) return 1;
-  std::memcpy(d, reinterpret_cast<void*>(s), n);
-  return 0;
+  return async_copy(d, reinterpret_cast<const void*>(s), n);
 }
 CUresult cuStreamCreate(void** stream, unsigned) { ++streams; *stream = reinterpret_cast<void*>(0x20); return 0; }
-CUresult cuStreamSynchronize(void*) { return 0; }
+CUresult cuStreamSynchronize(void*) {
+  run_all();
+  return 0;
+}
+CUresult cuEventCreate(void** event, unsigned) {
+  ++events;
+  *event = new Event;
+  return 0;
+}
+CUresult cuEventRecord(void* event, void* stream) {
+  if (!event || !stream) return 1;
+  static_cast<Event*>(event)->after = queued_copies;
+  return 0;
+}
+CUresult cuEventQuery(void* event) {
+  Event* e = static_cast<Event*>(event);
+  if (done_copies >= e->after) return 0;
+  run_one();   // the copy engine moves on while the host polls:
+  return 600;  // CUDA_ERROR_NOT_READY, seen done by the next query
+}
+CUresult cuEventSynchronize(void* event) {
+  while (done_copies < static_cast<Event*>(event)->after) run_one();
+  return 0;
+}
+CUresult cuEventDestroy_v2(void* event) {
+  delete static_cast<Event*>(event);
+  --events;
+  return 0;
+}
 CUresult cuStreamDestroy_v2(void*) { --streams; return 0; }
 }

@@ -431,3 +431,105 @@ TEST(SoftProviderGpu, DeregistrationFlushesPeersWrites) {
   EXPECT_EQ(device_bytes(d, target, bytes), source);
   EXPECT_EQ(d.api().cuMemFree(target), CUDA_SUCCESS);
 }
+
+// A large WRITE from device memory is staged in chunks on a stream and goes
+// on the wire chunk by chunk: post_send returns before any copy ran, the
+// first packets leave while later chunks are still being copied, and the
+// bytes land exact, host SGEs around the device one included. The fake
+// driver runs one queued copy per event query (fake_cuda_set_deferred).
+TEST(SoftProviderGpu, LargeSourcesArePipelinedChunkByChunk) {
+  ScopedEnv env("STELLAR_CUDA_LIBRARY", FAKE_LIBCUDA_PATH);
+  const CudaDriver& d = fake();
+  auto set_deferred = fake_control<void (*)(int)>("fake_cuda_set_deferred");
+  auto async_copies = fake_control<unsigned long long (*)()>("fake_cuda_async_copies");
+  auto pending_copies = fake_control<unsigned long long (*)()>("fake_cuda_pending_copies");
+  auto events = fake_control<int (*)()>("fake_cuda_events");
+  constexpr size_t device_bytes_n = (2 << 20) + 300;  // 5 chunks of 512 KiB
+  constexpr size_t head = 5000, tail = 100, total = head + device_bytes_n + tail;
+  CUdeviceptr source = 0, target = 0;
+  ASSERT_EQ(d.api().cuMemAlloc(&source, device_bytes_n), CUDA_SUCCESS);
+  ASSERT_EQ(d.api().cuMemAlloc(&target, total), CUDA_SUCCESS);
+  std::vector<uint8_t> expected(total), zeros(total, 0);
+  std::iota(expected.begin(), expected.end(), uint8_t(3));
+  for (size_t i = 0; i < total; i += 7) expected[i] ^= uint8_t(i >> 12);
+  std::vector<uint8_t> host_head(expected.begin(), expected.begin() + head);
+  std::vector<uint8_t> host_tail(expected.end() - tail, expected.end());
+  ASSERT_EQ(d.api().cuMemcpyHtoD(source, expected.data() + head, device_bytes_n), CUDA_SUCCESS);
+  ASSERT_EQ(d.api().cuMemcpyHtoD(target, zeros.data(), total), CUDA_SUCCESS);
+  {
+    Side a = open_side(), b = open_side();
+    connect(a, b);
+    auto source_mr = a.pd->register_memory(reinterpret_cast<void*>(source), device_bytes_n, access_local_write).value();
+    auto head_mr = a.pd->register_memory(host_head.data(), head, access_local_write).value();
+    auto tail_mr = a.pd->register_memory(host_tail.data(), tail, access_local_write).value();
+    auto target_mr = b.pd->register_memory(reinterpret_cast<void*>(target), total, access_local_write | access_remote_write).value();
+    ASSERT_TRUE(b.qp->post_recv(RecvWr{1, {}}).ok());
+    Sge sges[3] = {{reinterpret_cast<uint64_t>(host_head.data()), uint32_t(head), head_mr->lkey()},
+                   {source, uint32_t(device_bytes_n), source_mr->lkey()},
+                   {reinterpret_cast<uint64_t>(host_tail.data()), uint32_t(tail), tail_mr->lkey()}};
+    SendWr write;
+    write.wr_id = 7;
+    write.opcode = WrOpcode::rdma_write_with_imm;
+    write.sg_list = sges;
+    write.remote_addr = target;
+    write.rkey = target_mr->rkey();
+    set_deferred(1);
+    const unsigned long long copies_before = async_copies();
+    ASSERT_TRUE(a.qp->post_send(write).ok());
+    EXPECT_EQ(async_copies() - copies_before, 5u) << "one async copy per 512 KiB chunk";
+    EXPECT_EQ(pending_copies(), 5u) << "post_send did not wait for the copies";
+    // The host head needs no copy: it may go at once. Then chunk by chunk.
+    bool overlapped = false;
+    for (int i = 0; i < 100000 && pending_copies() > 0; ++i) {
+      a.context->progress();
+      b.context->progress();
+      if (pending_copies() > 0 && a.context->counters().tx_bytes > head + (512u << 10)) overlapped = true;
+    }
+    EXPECT_TRUE(overlapped) << "chunk 0 went on the wire while later chunks were still copying";
+    WorkCompletion wc = next_completion(b, a);
+    EXPECT_EQ(wc.status, WcStatus::success);
+    EXPECT_EQ(wc.wr_id, 1u);
+    EXPECT_EQ(device_bytes(d, target, total), expected);
+    wc = next_completion(a, b);
+    EXPECT_EQ(wc.wr_id, 7u);
+    EXPECT_EQ(wc.status, WcStatus::success);
+    EXPECT_EQ(events(), 0) << "every chunk's event destroyed";
+    set_deferred(0);
+  }
+  for (CUdeviceptr p : {source, target}) EXPECT_EQ(d.api().cuMemFree(p), CUDA_SUCCESS);
+}
+
+// A QP destroyed while its chunks are still copying waits for them before
+// the pinned shadow they write can go, and leaks no event.
+TEST(SoftProviderGpu, DestroyingAQpWithCopiesInFlightWaitsForThem) {
+  ScopedEnv env("STELLAR_CUDA_LIBRARY", FAKE_LIBCUDA_PATH);
+  const CudaDriver& d = fake();
+  auto set_deferred = fake_control<void (*)(int)>("fake_cuda_set_deferred");
+  auto pending_copies = fake_control<unsigned long long (*)()>("fake_cuda_pending_copies");
+  auto events = fake_control<int (*)()>("fake_cuda_events");
+  constexpr size_t bytes = 1 << 20;
+  CUdeviceptr source = 0;
+  ASSERT_EQ(d.api().cuMemAlloc(&source, bytes), CUDA_SUCCESS);
+  std::vector<uint8_t> target(bytes);
+  {
+    Side a = open_side(), b = open_side();
+    connect(a, b);
+    auto source_mr = a.pd->register_memory(reinterpret_cast<void*>(source), bytes, access_local_write).value();
+    auto target_mr = b.pd->register_memory(target.data(), bytes, access_local_write | access_remote_write).value();
+    Sge sge{source, uint32_t(bytes), source_mr->lkey()};
+    SendWr write;
+    write.wr_id = 1;
+    write.opcode = WrOpcode::rdma_write;
+    write.sg_list = {&sge, 1};
+    write.remote_addr = reinterpret_cast<uint64_t>(target.data());
+    write.rkey = target_mr->rkey();
+    set_deferred(1);
+    ASSERT_TRUE(a.qp->post_send(write).ok());
+    EXPECT_EQ(pending_copies(), 2u);
+    a.qp.reset();
+    EXPECT_EQ(pending_copies(), 0u) << "the QP waited for its copies";
+    EXPECT_EQ(events(), 0);
+    set_deferred(0);
+  }
+  EXPECT_EQ(d.api().cuMemFree(source), CUDA_SUCCESS);
+}

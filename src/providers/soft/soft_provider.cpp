@@ -63,7 +63,10 @@ void accumulate(off::EngineCounters& sum, const off::EngineCounters& e) {
 // local destinations shadow -> device when their completion is delivered;
 // remote writes mark the shadow dirty and are copied to the device before the
 // next receive completion (a receive implies earlier writes are in place);
-// remote reads copy device -> shadow first. Copies are synchronous.
+// remote reads copy device -> shadow first. Sources of SEND/WRITE of at
+// least staging_pipeline_bytes are copied asynchronously in chunks on a CUDA
+// stream (StagingJob) and go on the wire chunk by chunk as the copies land;
+// the other copies are synchronous.
 struct GpuShadow {
   const gpu::CudaDriver* driver = nullptr;
   gpu::PinnedBuffer pinned;
@@ -117,11 +120,38 @@ struct StagedPart {
   std::shared_ptr<GpuShadow> shadow;
   uint64_t offset;
   uint64_t length;
+  uint64_t message_offset = 0;  // sources: where the part lies in the message
 };
 struct WrSlot {
   uint64_t wr_id = 0;
   bool signaled = true;
-  std::vector<StagedPart> parts;
+  bool staging_failed = false;       // a source copy failed: the WR completes with a local error
+  std::vector<StagedPart> parts;     // GPU destinations, copied to the device at completion
+  std::vector<StagedPart> sources;   // GPU sources, copied to the shadow at post (translate -> post_send)
+};
+
+// Pipelined staging of one WR's GPU sources: device -> shadow copies queued
+// on a CUDA stream in chunks of staging_chunk_bytes, each followed by an
+// event. The WR is with the engine already (SendWork::staged); as events
+// complete, set_ready() lets it send the bytes that landed, so the copy of
+// chunk k+1 overlaps the wire carrying chunk k, and post_send never waits
+// for the copy engine.
+class SoftQp;
+constexpr uint64_t staging_pipeline_bytes = 64 * 1024;
+constexpr uint64_t staging_chunk_bytes = 512 * 1024;
+struct StagingChunk {
+  uint32_t begin = 0, end = 0;  // message bytes the copy fills
+  GpuShadow* shadow = nullptr;  // kept alive by StagingJob::keep
+  gpu::CUevent event = nullptr;
+};
+struct StagingJob {
+  SoftQp* qp = nullptr;
+  uint64_t wr_id = 0;          // the engine's (the slot sequence)
+  uint32_t total = 0;          // message bytes
+  std::vector<StagingChunk> chunks;  // in message order
+  size_t next = 0;             // first chunk whose event has not completed
+  std::vector<std::shared_ptr<GpuShadow>> keep;  // the pinned memory the copies write
+  uint32_t ready() const { return next < chunks.size() ? chunks[next].begin : total; }
 };
 
 struct Tenant {
@@ -227,6 +257,12 @@ class SoftContext final : public Context {
     if (thread_.joinable()) {
       kick();
       thread_.join();
+    }
+    for (StagingJob& job : staging_) drop_staging(job);
+    staging_.clear();
+    for (auto& [key, stream] : staging_streams_) {
+      auto scope = gpu::ScopedDeviceContext::enter(*key.first, key.second);
+      if (scope) (void)key.first->api().cuStreamDestroy(stream);
     }
     if (kick_fd_ >= 0) ::close(kick_fd_);
   }
@@ -343,6 +379,15 @@ class SoftContext final : public Context {
     const uint64_t one = 1;
     [[maybe_unused]] ssize_t r = ::write(kick_fd_, &one, sizeof one);
   }
+
+  // Pipelined GPU source staging (StagingJob). All under mutex_.
+  Result<gpu::CUstream> staging_stream(const GpuShadow& shadow);
+  Status start_staging(StagingJob& job, const std::vector<StagedPart>& sources);
+  void poll_staging();              // advances jobs whose chunks landed
+  void drop_staging(StagingJob& job);  // waits for its copies, frees its events
+  void drop_staging_of(SoftQp* qp);
+  std::vector<StagingJob> staging_;
+  std::map<std::pair<const gpu::CudaDriver*, int>, gpu::CUstream> staging_streams_;
 
   std::mutex mutex_;
   ContextOptions options_;
@@ -493,6 +538,7 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
     std::lock_guard lock(c.mutex_);
     Tenant& t = c.tenants_.at(pd_->tenant());
     t.qpns.erase(qpn_);
+    c.drop_staging_of(this);
     if (engine_) {
       // Acknowledge what was delivered here before the QP goes: the peer's
       // last SEND (a "bye") must complete there, not retry into a closed QP.
@@ -598,6 +644,8 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
     slot.wr_id = wr.wr_id;
     slot.signaled = wr.flags & send_signaled;
     slot.parts.clear();
+    slot.sources.clear();
+    slot.staging_failed = false;
     w.wr_id = sequence;
     w.opcode = off::WorkOpcode(int(wr.opcode));
     w.signaled = wr.flags & send_signaled;
@@ -621,6 +669,22 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
     w.segment_count = uint32_t(wr.sg_list.size());
     if (!slot.parts.empty()) w.signaled = true;  // GPU destination: its completion copies to the device
     if (!engine_) return Status(Errc::wrong_state, "post_send: QP has no connection");
+    // GPU sources: small ones copied now; large ones in chunks on a stream,
+    // the engine sending each chunk as it lands.
+    StagingJob job;
+    if (!slot.sources.empty()) {
+      if (total >= staging_pipeline_bytes && !engine_->in_error()) {
+        job.qp = this;
+        job.wr_id = sequence;
+        job.total = uint32_t(total);
+        if (Status st = c.start_staging(job, slot.sources); !st.ok()) return st;
+        w.staged = true;
+      } else {
+        for (const StagedPart& part : slot.sources)
+          if (Status st = part.shadow->to_host(part.offset, part.length); !st.ok()) return st;
+      }
+      slot.sources.clear();
+    }
     const uint64_t now = monotonic_ns();
     // In place before the engine sees the WR (it may complete it at once, e.g.
     // flushed in ERROR); swapped back out if the engine refuses it.
@@ -628,6 +692,10 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
     std::swap(placed, slot);
     const off::PostResult posted = engine_->post_send(w, now);
     if (posted != off::PostResult::ok) std::swap(placed, slot);
+    if (w.staged) {
+      if (posted == off::PostResult::ok && engine_->set_ready(sequence, job.ready())) c.staging_.push_back(std::move(job));
+      else c.drop_staging(job);  // refused, or flushed at once: the copies have nobody to feed
+    }
     switch (posted) {
       case off::PostResult::ok: break;
       case off::PostResult::queue_full: return Status(Errc::queue_full, "post_send: send queue full (max_send_wr " + std::to_string(cap_.max_send_wr) + ")");
@@ -710,6 +778,7 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
     const bool receive = c.is_receive();
     WrSlot& slot = receive ? recv_slots_[c.wr_id % recv_slots_.size()] : send_slots_[c.wr_id % send_slots_.size()];
     c.wr_id = slot.wr_id;
+    if (slot.staging_failed && !receive) c.status = off::CompletionStatus::local_qp_operation_error;
     if (c.status == off::CompletionStatus::success) {
       if (receive && !tenant_->dirty_gpu.empty()) {
         // A receive says every earlier write of the peer is in place: on the GPU too.
@@ -740,6 +809,7 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
   }
 
   off::QpEngine* engine() { return engine_.get(); }
+  void mark_staging_failed(uint64_t engine_wr_id) { send_slots_[engine_wr_id % send_slots_.size()].staging_failed = true; }
   const sockaddr_in& peer() const { return peer_; }
   const off::IcrcAddresses& rx_addresses() const { return rx_addresses_; }
   void bind_tenant(Tenant* t) { tenant_ = t; }
@@ -753,7 +823,8 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
   // destinations are recorded in `slot` for the completion to copy back.
   Status translate(std::span<const Sge> list, off::Segment* out, bool inline_data, uint32_t need, WrSlot& slot) {
     Tenant& t = *tenant_;
-    for (size_t i = 0; i < list.size(); ++i) {
+    uint64_t message_offset = 0;
+    for (size_t i = 0; i < list.size(); message_offset += list[i].length, ++i) {
       const Sge& s = list[i];
       out[i] = off::Segment{reinterpret_cast<uint8_t*>(s.addr), s.length, inline_data ? 0u : s.lkey};
       if (s.length == 0) continue;
@@ -781,7 +852,7 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
         if (!need) {
           if (Status st = e.gpu->flush(); !st.ok()) return st;  // peers' writes first, or the copy would undo them
           std::erase(t.dirty_gpu, e.gpu.get());
-          if (Status st = e.gpu->to_host(s.addr - e.addr, s.length); !st.ok()) return st;
+          slot.sources.push_back({e.gpu, s.addr - e.addr, s.length, message_offset});  // copied by post_send
         } else {
           slot.parts.push_back({e.gpu, s.addr - e.addr, s.length});
         }
@@ -947,6 +1018,7 @@ void SoftContext::send_datagrams(size_t n, const sockaddr_in& peer) {
 
 bool SoftContext::progress_locked(uint64_t now) {
   bool work = false;
+  if (!staging_.empty()) poll_staging();
   const off::Mode mode = options_.mode == Mode::roce ? off::Mode::roce : off::Mode::stellar;
   for (int round = 0; round < 4; ++round) {
     const int n = socket_.receive_batch(rx_, rx_batch);
@@ -999,6 +1071,115 @@ bool SoftContext::progress_locked(uint64_t now) {
   return work;
 }
 
+Result<gpu::CUstream> SoftContext::staging_stream(const GpuShadow& shadow) {
+  const auto key = std::make_pair(shadow.driver, shadow.ordinal);
+  auto it = staging_streams_.find(key);
+  if (it != staging_streams_.end()) return it->second;
+  gpu::CUstream stream = nullptr;
+  if (Status s = shadow.driver->check(shadow.driver->api().cuStreamCreate(&stream, gpu::CU_STREAM_NON_BLOCKING), "cuStreamCreate (soft provider staging)"); !s)
+    return s;
+  staging_streams_.emplace(key, stream);
+  return stream;
+}
+
+Status SoftContext::start_staging(StagingJob& job, const std::vector<StagedPart>& sources) {
+  for (const StagedPart& part : sources) {
+    GpuShadow& shadow = *part.shadow;
+    const gpu::CudaApi& api = shadow.driver->api();
+    auto scope = gpu::ScopedDeviceContext::enter(*shadow.driver, shadow.ordinal);
+    if (!scope) {
+      drop_staging(job);
+      return scope.status();
+    }
+    auto stream = staging_stream(shadow);
+    if (!stream) {
+      drop_staging(job);
+      return stream.status();
+    }
+    job.keep.push_back(part.shadow);
+    for (uint64_t done = 0; done < part.length;) {
+      const uint64_t n = std::min(staging_chunk_bytes, part.length - done);
+      StagingChunk chunk{uint32_t(part.message_offset + done), uint32_t(part.message_offset + done + n), &shadow, nullptr};
+      Status st = shadow.driver->check(api.cuMemcpyDtoHAsync(shadow.host() + part.offset + done, shadow.device + part.offset + done, n, *stream),
+                                       "cuMemcpyDtoHAsync (soft provider staging)");
+      if (st) st = shadow.driver->check(api.cuEventCreate(&chunk.event, gpu::CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+      if (st) {
+        job.chunks.push_back(chunk);
+        st = shadow.driver->check(api.cuEventRecord(chunk.event, *stream), "cuEventRecord");
+      }
+      if (!st) {
+        drop_staging(job);
+        return st;
+      }
+      done += n;
+    }
+  }
+  return {};
+}
+
+void SoftContext::poll_staging() {
+  for (size_t i = 0; i < staging_.size();) {
+    StagingJob& job = staging_[i];
+    const uint32_t before = job.ready();
+    bool failed = false;
+    while (job.next < job.chunks.size()) {
+      StagingChunk& chunk = job.chunks[job.next];
+      auto scope = gpu::ScopedDeviceContext::enter(*chunk.shadow->driver, chunk.shadow->ordinal);
+      const gpu::CUresult r = scope ? chunk.shadow->driver->api().cuEventQuery(chunk.event) : gpu::CUDA_ERROR_NOT_INITIALIZED;
+      if (r == gpu::CUDA_ERROR_NOT_READY) break;
+      if (r != gpu::CUDA_SUCCESS) {
+        log().warn("soft provider: staging copy of a GPU source failed: {}", chunk.shadow->driver->check(r, "cuEventQuery").to_string());
+        failed = true;
+        break;
+      }
+      (void)chunk.shadow->driver->api().cuEventDestroy(chunk.event);
+      chunk.event = nullptr;
+      ++job.next;
+    }
+    off::QpEngine* engine = job.qp->engine();
+    bool keep = !failed && job.next < job.chunks.size();
+    if (failed) {
+      // As a NIC's failed DMA read: this WR fails, the QP goes to ERROR.
+      job.qp->mark_staging_failed(job.wr_id);
+      engine->enter_error();
+    } else if (job.ready() != before && !engine->set_ready(job.wr_id, job.ready())) {
+      keep = false;  // the WR is gone (flushed): nothing left to feed
+    }
+    if (keep) {
+      ++i;
+      continue;
+    }
+    drop_staging(job);
+    staging_.erase(staging_.begin() + long(i));
+  }
+}
+
+void SoftContext::drop_staging(StagingJob& job) {
+  for (size_t k = job.next; k < job.chunks.size(); ++k) {
+    StagingChunk& chunk = job.chunks[k];
+    if (!chunk.event) continue;
+    auto scope = gpu::ScopedDeviceContext::enter(*chunk.shadow->driver, chunk.shadow->ordinal);
+    if (scope) {
+      (void)chunk.shadow->driver->api().cuEventSynchronize(chunk.event);  // the copy writes memory `keep` holds
+      (void)chunk.shadow->driver->api().cuEventDestroy(chunk.event);
+    }
+    chunk.event = nullptr;
+  }
+  job.next = job.chunks.size();
+  job.keep.clear();
+}
+
+void SoftContext::drop_staging_of(SoftQp* qp) {
+  for (size_t i = 0; i < staging_.size();) {
+    if (staging_[i].qp != qp) {
+      ++i;
+      continue;
+    }
+    drop_staging(staging_[i]);
+    staging_.erase(staging_.begin() + long(i));
+  }
+}
+
 void SoftContext::flush_acknowledgements() {
   std::lock_guard lock(mutex_);
   const uint64_t now = monotonic_ns();
@@ -1009,7 +1190,7 @@ void SoftContext::flush_acknowledgements() {
 }
 
 uint64_t SoftContext::next_wakeup_locked(uint64_t now) {
-  uint64_t t = UINT64_MAX;
+  uint64_t t = staging_.empty() ? UINT64_MAX : now + 10'000;  // copies in flight: look again in 10 us
   for (auto& [key, qp] : qps_) t = std::min(t, qp->engine()->next_wakeup_ns(now));
   return t;
 }

@@ -77,6 +77,8 @@ struct SendWork {
   bool signaled = true;
   bool solicited = false;
   bool inline_data = false;  // copy the payload at post time (<= max_inline_bytes)
+  bool staged = false;       // SEND/WRITE whose payload is still being filled in (a GPU source
+                             // copied in chunks): nothing past set_ready()'s bytes goes out
   uint32_t segment_count = 0;
   Segment segments[max_segments];
   uint64_t remote_addr = 0;  // RDMA and atomics
@@ -245,6 +247,13 @@ class QpEngine {
   // Moves to the error state: everything posted completes with
   // work_request_flushed (verbs semantics of a QP in ERROR).
   void enter_error();
+
+  // A staged SendWork (SendWork::staged): its first `bytes` of payload are in
+  // place and may be sent. Only grows; the host calls it as each chunk of the
+  // copy lands. False if no WQE with that wr_id is queued (completed, or
+  // flushed). Packets wait for it, not the WQEs behind it: those wait
+  // in PSN order as always.
+  bool set_ready(uint64_t wr_id, uint32_t bytes);
   bool in_error() const;
 
   uint32_t outstanding_sends() const;
