@@ -31,6 +31,8 @@ constexpr uint32_t done_imm = 1, bye_imm = 2;
 struct Exposed {
   uint64_t addr;
   uint32_t rkey;
+  uint32_t host_rkey;  // a host buffer of the same size: the unstaged baseline
+  uint64_t host_addr;
 };
 
 [[noreturn]] void fail(const char* side, const std::string& what) {
@@ -98,13 +100,15 @@ int server(uint16_t port, size_t bytes) {
   must(cudaMemset(target, 0, bytes), side, "cudaMemset");
   Endpoint e = open_endpoint(side);
   auto mr = must(e.pd->register_memory(target, bytes, access_local_write | access_remote_write | access_remote_read), side, "register GPU memory");
+  std::vector<uint8_t> host_target(bytes);
+  auto host_mr = must(e.pd->register_memory(host_target.data(), bytes, access_local_write | access_remote_write), side, "register host memory");
   QpModify init;
   init.state = QpState::init;
   must(e.qp->modify(init), side, "INIT");
   for (uint64_t i = 0; i < 64; ++i) must(e.qp->post_recv(RecvWr{i, {}}), side, "post_recv");
   auto listener = must(cm::Listener::listen("127.0.0.1", port), side, "listen");
   auto request = must(listener->get_request(std::chrono::milliseconds(30000)), side, "get_request");
-  Exposed exposed{reinterpret_cast<uint64_t>(target), mr->rkey()};
+  Exposed exposed{reinterpret_cast<uint64_t>(target), mr->rkey(), host_mr->rkey(), reinterpret_cast<uint64_t>(host_target.data())};
   std::vector<uint8_t> data(sizeof exposed);
   std::memcpy(data.data(), &exposed, sizeof exposed);
   must(request->accept(*e.qp, data), side, "accept");
@@ -186,6 +190,22 @@ int client(uint16_t port, size_t bytes, int iterations) {
     wait_one(*e.cq, side, "a SEND");
   }
   const double staged_s = std::chrono::duration<double>(Clock::now() - start).count();
+  // The same transport between host buffers: what the wire alone gives here.
+  std::vector<uint8_t> host_source(expected);
+  auto host_mr = must(e.pd->register_memory(host_source.data(), bytes, access_local_write), side, "register host source");
+  Sge from_host{reinterpret_cast<uint64_t>(host_source.data()), uint32_t(bytes), host_mr->lkey()};
+  SendWr host_write = write;
+  host_write.sg_list = {&from_host, 1};
+  host_write.remote_addr = remote.host_addr;
+  host_write.rkey = remote.host_rkey;
+  const auto host_start = Clock::now();
+  for (int i = 0; i < iterations; ++i) {
+    must(e.qp->post_send(host_write), side, "post WRITE");
+    must(e.qp->post_send(done), side, "post SEND");
+    wait_one(*e.cq, side, "a WRITE");
+    wait_one(*e.cq, side, "a SEND");
+  }
+  const double host_s = std::chrono::duration<double>(Clock::now() - host_start).count();
   // What staging costs per message, done by hand: device -> pinned host -> device.
   void* pinned = nullptr;
   must(cudaMallocHost(&pinned, bytes), side, "cudaMallocHost");
@@ -201,7 +221,8 @@ int client(uint16_t port, size_t bytes, int iterations) {
   const double d2d_s = std::chrono::duration<double>(Clock::now() - t0).count();
   const double total = double(bytes) * iterations / 1e9;
   std::printf("client: %zu-byte messages, %d iterations (GB/s, 1e9):\n", bytes, iterations);
-  std::printf("  soft provider, GPU -> GPU RDMA WRITE (staged)   %8.2f\n", total / staged_s);
+  std::printf("  soft provider, GPU -> GPU RDMA WRITE (staged)   %8.2f   (staged / host = %.2f)\n", total / staged_s, host_s / staged_s);
+  std::printf("  soft provider, host -> host RDMA WRITE          %8.2f\n", total / host_s);
   std::printf("  cudaMemcpy D2H + H2D through pinned memory      %8.2f   (staged / this = %.2f)\n", total / bounce_s,
               (total / staged_s) / (total / bounce_s));
   std::printf("  cudaMemcpy D2D                                  %8.2f\n", total / d2d_s);

@@ -30,7 +30,7 @@ std::vector<Allocation> live;  // page-aligned bump allocation in the arena; res
 size_t next_offset = 0;
 unsigned long long buffer_id = 1;
 int dmabuf_supported = 1;
-int primary_retained = 0, streams = 0, pinned = 0;
+int primary_retained = 0, streams = 0, pinned = 0, pinned_allocations = 0;
 thread_local std::vector<void*> context_stack;
 CUdeviceptr last_export_start = 0;
 size_t last_export_size = 0;
@@ -77,6 +77,7 @@ void fake_cuda_set_dmabuf_supported(int v) { dmabuf_supported = v; }
 int fake_cuda_primary_retained() { return primary_retained; }
 int fake_cuda_streams() { return streams; }
 int fake_cuda_pinned() { return pinned; }
+int fake_cuda_pinned_allocations() { return pinned_allocations; }  // ever made
 int fake_cuda_context_depth() { return static_cast<int>(context_stack.size()); }
 void fake_cuda_set_deferred(int v) {
   deferred = v;
@@ -166,6 +167,7 @@ CUresult cuMemHostAlloc(void** p, size_t bytes, unsigned) {
   *p = std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096);
   if (!*p) return 2;
   ++pinned;
+  ++pinned_allocations;
   return 0;
 }
 CUresult cuMemFreeHost(void* p) { std::free(p); --pinned; return 0; }

@@ -533,3 +533,61 @@ TEST(SoftProviderGpu, DestroyingAQpWithCopiesInFlightWaitsForThem) {
   }
   EXPECT_EQ(d.api().cuMemFree(source), CUDA_SUCCESS);
 }
+
+// Registering the same GPU buffer again reuses its pinned shadow (no new
+// pinned allocation), sub-ranges included; memory freed and allocated again
+// at the same address gets a fresh shadow, and every READ sees the device's
+// current bytes.
+TEST(SoftProviderGpu, ReRegistrationReusesTheShadowAndFreedMemoryGetsANewOne) {
+  ScopedEnv env("STELLAR_CUDA_LIBRARY", FAKE_LIBCUDA_PATH);
+  const CudaDriver& d = fake();
+  auto pinned = fake_control<int (*)()>("fake_cuda_pinned_allocations");
+  constexpr size_t bytes = 64 * 1024;
+  CUdeviceptr buffer = 0;
+  ASSERT_EQ(d.api().cuMemAlloc(&buffer, bytes), CUDA_SUCCESS);
+  std::vector<uint8_t> first(bytes), second(bytes);
+  std::iota(first.begin(), first.end(), uint8_t(1));
+  std::iota(second.rbegin(), second.rend(), uint8_t(9));
+  ASSERT_EQ(d.api().cuMemcpyHtoD(buffer, first.data(), bytes), CUDA_SUCCESS);
+  Side a = open_side(), b = open_side();
+  connect(a, b);
+  std::vector<uint8_t> local(bytes);
+  auto local_mr = a.pd->register_memory(local.data(), bytes, access_local_write).value();
+  auto read_back = [&](const MemoryRegion& mr, uint64_t address, size_t n) {
+    std::fill(local.begin(), local.end(), 0);
+    Sge into{reinterpret_cast<uint64_t>(local.data()), uint32_t(n), local_mr->lkey()};
+    SendWr read;
+    read.wr_id = 5;
+    read.opcode = WrOpcode::rdma_read;
+    read.sg_list = {&into, 1};
+    read.remote_addr = address;
+    read.rkey = mr.rkey();
+    EXPECT_TRUE(a.qp->post_send(read).ok());
+    EXPECT_EQ(next_completion(a, b).status, WcStatus::success);
+    return std::vector<uint8_t>(local.begin(), local.begin() + long(n));
+  };
+  const int pinned_before = pinned();
+  auto mr1 = b.pd->register_memory(reinterpret_cast<void*>(buffer), bytes, access_local_write | access_remote_read).value();
+  EXPECT_EQ(pinned(), pinned_before + 1);
+  const uint32_t old_rkey = mr1->rkey();
+  mr1.reset();
+  auto mr2 = b.pd->register_memory(reinterpret_cast<void*>(buffer), bytes, access_local_write | access_remote_read).value();
+  auto mr3 = b.pd->register_memory(reinterpret_cast<void*>(buffer + 4096), 8192, access_local_write | access_remote_read).value();
+  EXPECT_EQ(pinned(), pinned_before + 1) << "the cached shadow was reused";
+  EXPECT_NE(mr2->rkey(), old_rkey) << "keys are never cached";
+  EXPECT_EQ(read_back(*mr2, buffer, bytes), first);
+  EXPECT_EQ(read_back(*mr3, buffer + 4096, 8192), std::vector<uint8_t>(first.begin() + 4096, first.begin() + 4096 + 8192));
+  mr2.reset();
+  mr3.reset();
+  // Free and allocate again: the fake hands out the same address with a new buffer id.
+  ASSERT_EQ(d.api().cuMemFree(buffer), CUDA_SUCCESS);
+  CUdeviceptr again = 0;
+  ASSERT_EQ(d.api().cuMemAlloc(&again, bytes), CUDA_SUCCESS);
+  ASSERT_EQ(again, buffer) << "the test needs the address reused";
+  ASSERT_EQ(d.api().cuMemcpyHtoD(again, second.data(), bytes), CUDA_SUCCESS);
+  auto mr4 = b.pd->register_memory(reinterpret_cast<void*>(again), bytes, access_local_write | access_remote_read).value();
+  EXPECT_EQ(pinned(), pinned_before + 2) << "a new allocation gets a new shadow";
+  EXPECT_EQ(read_back(*mr4, again, bytes), second);
+  mr4.reset();
+  EXPECT_EQ(d.api().cuMemFree(again), CUDA_SUCCESS);
+}

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "core/log.hpp"
+#include "core/registration_cache.hpp"
 #include "core/providers.hpp"
 #include "gpu/cuda_driver.hpp"
 #include "io/udp_socket.hpp"
@@ -70,8 +71,9 @@ void accumulate(off::EngineCounters& sum, const off::EngineCounters& e) {
 struct GpuShadow {
   const gpu::CudaDriver* driver = nullptr;
   gpu::PinnedBuffer pinned;
-  uint64_t device = 0;  // the region's device address (MrEntry::addr)
+  uint64_t device = 0;  // the device address the shadow starts at
   int ordinal = 0;
+  uint64_t buffer_id = 0;  // CUDA's id of the allocation: a new one after free + alloc at the same address
   std::vector<std::pair<uint64_t, uint64_t>> dirty;  // [offset, end) written by peers, not yet on the device
 
   uint8_t* host() const { return static_cast<uint8_t*>(pinned.data()); }
@@ -104,6 +106,17 @@ struct GpuShadow {
   }
 };
 
+// Pinned shadows outlive their memory regions in a per-context cache keyed
+// by device range, so a framework that registers the same GPU buffer again
+// (per step, per call) pays neither the pinning nor the allocation again.
+// Keys are not cached: each registration has its own, dead at deregistration.
+// A shadow is found again only for the allocation it was made for (same
+// CUDA buffer id): memory freed and allocated again at the same address
+// gets a new shadow. Unused shadows are dropped when the cache holds more
+// than shadow_cache_bytes.
+using ShadowCache = RegistrationCache<std::shared_ptr<GpuShadow>>;
+constexpr uint64_t shadow_cache_bytes = uint64_t(1) << 30;
+
 struct MrEntry {
   uint64_t addr = 0, length = 0;
   uint32_t access = 0;
@@ -111,6 +124,8 @@ struct MrEntry {
   uint32_t lkey = 0, rkey = 0;
   uint8_t* host = nullptr;          // where the engine reads and writes: addr itself, or the GPU shadow
   std::shared_ptr<GpuShadow> gpu;   // GPU memory only
+  uint64_t shadow_offset = 0;       // GPU: addr - gpu->device (a cached shadow may start lower)
+  std::shared_ptr<ShadowCache::Reference> shadow_use;  // GPU: this region's use of the cached shadow
 };
 
 // Per posted WR, from post to completion: the user's wr_id (the engine
@@ -388,6 +403,9 @@ class SoftContext final : public Context {
   void drop_staging_of(SoftQp* qp);
   std::vector<StagingJob> staging_;
   std::map<std::pair<const gpu::CudaDriver*, int>, gpu::CUstream> staging_streams_;
+  // GPU registrations' pinned shadows (ShadowCache); bytes of the cached ones.
+  std::shared_ptr<std::atomic<uint64_t>> shadow_cache_bytes_ = std::make_shared<std::atomic<uint64_t>>(0);
+  ShadowCache shadow_cache_{[bytes = shadow_cache_bytes_](std::shared_ptr<GpuShadow>&& shadow) { *bytes -= shadow->pinned.size(); }};
 
   std::mutex mutex_;
   ContextOptions options_;
@@ -494,20 +512,36 @@ Result<std::unique_ptr<MemoryRegion>> SoftPd::register_memory(void* addr, size_t
     if (!driver) return driver.status();
     auto info = gpu::query_pointer(**driver, addr);
     if (!info) return info.status();
-    auto shadow = std::make_shared<GpuShadow>();
-    shadow->driver = *driver;
-    shadow->device = e.addr;
-    shadow->ordinal = info->device_ordinal;
-    {
-      auto scope = gpu::ScopedDeviceContext::enter(**driver, info->device_ordinal);
-      if (!scope) return scope.status();
-      auto pinned = gpu::PinnedBuffer::allocate(**driver, length);
-      if (!pinned) return pinned.status();
-      shadow->pinned = std::move(*pinned);
+    ShadowCache& cache = context_->shadow_cache_;
+    std::optional<ShadowCache::Reference> use = cache.lookup(e.addr, length);
+    if (use && (use->handle()->buffer_id != info->buffer_id || use->handle()->driver != *driver)) {
+      use.reset();  // that memory was freed and allocated again: its shadow is stale
+      cache.invalidate(e.addr, length);
     }
-    if (Status s = shadow->to_host(0, length); !s.ok()) return s;
-    e.host = shadow->host();
-    e.gpu = std::move(shadow);
+    if (!use) {
+      auto shadow = std::make_shared<GpuShadow>();
+      shadow->driver = *driver;
+      shadow->device = e.addr;
+      shadow->ordinal = info->device_ordinal;
+      shadow->buffer_id = info->buffer_id;
+      {
+        auto scope = gpu::ScopedDeviceContext::enter(**driver, info->device_ordinal);
+        if (!scope) return scope.status();
+        auto pinned = gpu::PinnedBuffer::allocate(**driver, length);
+        if (!pinned) return pinned.status();
+        shadow->pinned = std::move(*pinned);
+      }
+      // No copy now: every path that reads the shadow fills it first (a
+      // source at post, a remote READ when it arrives), and every path that
+      // writes it copies what it wrote to the device.
+      if (*context_->shadow_cache_bytes_ + length > shadow_cache_bytes) cache.flush();  // drop unused shadows
+      *context_->shadow_cache_bytes_ += length;
+      use = cache.insert(e.addr, length, std::move(shadow));
+    }
+    e.gpu = use->handle();
+    e.shadow_offset = e.addr - e.gpu->device;
+    e.host = e.gpu->host() + e.shadow_offset;
+    e.shadow_use = std::make_shared<ShadowCache::Reference>(std::move(*use));
   }
   std::lock_guard lock(context_->mutex_);
   Tenant& t = context_->tenants_.at(tenant_);
@@ -761,7 +795,7 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
     if (e.pd != pd_.get() || (e.access & access) != access || !(access_ & access)) return nullptr;
     if (address < e.addr || length > e.length || address - e.addr > e.length - length) return nullptr;
     if (e.gpu) {
-      const uint64_t offset = address - e.addr;
+      const uint64_t offset = e.shadow_offset + (address - e.addr);
       if (access & access_remote_write) {
         if (e.gpu->dirty.empty()) t.dirty_gpu.push_back(e.gpu.get());
         e.gpu->mark_dirty(offset, length);
@@ -836,7 +870,7 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
         if (!e.gpu || e.pd != pd_.get() || s.addr < e.addr || s.length > e.length || s.addr - e.addr > e.length - s.length) continue;
         if (Status st = e.gpu->flush(); !st.ok()) return st;  // peers' writes first, or the copy would undo them
         std::erase(t.dirty_gpu, e.gpu.get());
-        if (Status st = e.gpu->to_host(s.addr - e.addr, s.length); !st.ok()) return st;
+        if (Status st = e.gpu->to_host(e.shadow_offset + (s.addr - e.addr), s.length); !st.ok()) return st;
         out[i].address = e.host + (s.addr - e.addr);
         continue;
       }
@@ -852,9 +886,9 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
         if (!need) {
           if (Status st = e.gpu->flush(); !st.ok()) return st;  // peers' writes first, or the copy would undo them
           std::erase(t.dirty_gpu, e.gpu.get());
-          slot.sources.push_back({e.gpu, s.addr - e.addr, s.length, message_offset});  // copied by post_send
+          slot.sources.push_back({e.gpu, e.shadow_offset + (s.addr - e.addr), s.length, message_offset});  // copied by post_send
         } else {
-          slot.parts.push_back({e.gpu, s.addr - e.addr, s.length});
+          slot.parts.push_back({e.gpu, e.shadow_offset + (s.addr - e.addr), s.length});
         }
       }
     }
