@@ -31,7 +31,16 @@ size_t next_offset = 0;
 unsigned long long buffer_id = 1;
 int dmabuf_supported = 1;
 int primary_retained = 0, streams = 0, pinned = 0, pinned_allocations = 0;
-thread_local std::vector<void*> context_stack;
+// Trivially destructible on purpose: a thread_local with a destructor in a
+// dlopen'ed library left LeakSanitizer reading a stale dynamic-TLS entry at
+// exit (the tracer crashed) in some environments.
+struct ContextStack {
+  void* items[64];
+  int depth;
+  bool empty() const { return depth == 0; }
+  void* back() const { return items[depth - 1]; }
+};
+thread_local ContextStack context_stack;
 CUdeviceptr last_export_start = 0;
 size_t last_export_size = 0;
 struct Copy {
@@ -78,7 +87,7 @@ int fake_cuda_primary_retained() { return primary_retained; }
 int fake_cuda_streams() { return streams; }
 int fake_cuda_pinned() { return pinned; }
 int fake_cuda_pinned_allocations() { return pinned_allocations; }  // ever made
-int fake_cuda_context_depth() { return static_cast<int>(context_stack.size()); }
+int fake_cuda_context_depth() { return context_stack.depth; }
 void fake_cuda_set_deferred(int v) {
   deferred = v;
   if (!v) run_all();
@@ -137,12 +146,20 @@ CUresult cuMemGetHandleForAddressRange(void* handle, CUdeviceptr start, size_t s
 CUresult cuDevicePrimaryCtxRetain(void** ctx, int) { ++primary_retained; *ctx = reinterpret_cast<void*>(0x10); return 0; }
 CUresult cuDevicePrimaryCtxRelease_v2(int) { --primary_retained; return 0; }
 CUresult cuCtxGetCurrent(void** ctx) { *ctx = context_stack.empty() ? nullptr : context_stack.back(); return 0; }
-CUresult cuCtxSetCurrent(void* ctx) { if (context_stack.empty()) context_stack.push_back(ctx); else context_stack.back() = ctx; return 0; }
-CUresult cuCtxPushCurrent_v2(void* ctx) { context_stack.push_back(ctx); return 0; }
+CUresult cuCtxSetCurrent(void* ctx) {
+  if (context_stack.empty()) context_stack.depth = 1;
+  context_stack.items[context_stack.depth - 1] = ctx;
+  return 0;
+}
+CUresult cuCtxPushCurrent_v2(void* ctx) {
+  if (context_stack.depth == 64) return 1;
+  context_stack.items[context_stack.depth++] = ctx;
+  return 0;
+}
 CUresult cuCtxPopCurrent_v2(void** ctx) {
   if (context_stack.empty()) return 201;
   if (ctx) *ctx = context_stack.back();
-  context_stack.pop_back();
+  --context_stack.depth;
   return 0;
 }
 CUresult cuCtxSynchronize() { return 0; }
