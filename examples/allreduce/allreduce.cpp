@@ -41,6 +41,7 @@ struct Options {
   int local_ranks = 0;
   std::string mode = "stellar", provider = "soft", algorithm = "auto";
   std::string chunk = "512K";
+  unsigned qps = 1;
   std::string cc = "auto";
   int timeout_ms = 30000;
   std::string wait;
@@ -195,8 +196,8 @@ int run_rank(const Options& o, CommunicatorOptions co) {
     std::printf("# stellar_allreduce: nRanks %d minBytes %zu maxBytes %zu step: %s warmup iters: %d iters: %d validation: %d\n", comm.size(), *min_b,
                 *max_b, o.step_factor > 1 ? (std::to_string(o.step_factor) + "(factor)").c_str() : (std::to_string(*step_b) + "(bytes)").c_str(),
                 o.warmup, o.iterations, o.check);
-    std::printf("# transport: provider %s, mode %s, cc %s, wait %s, algorithm %s, chunk %s\n#\n", o.provider.c_str(), o.mode.c_str(), o.cc.c_str(),
-                o.wait.c_str(), o.algorithm.c_str(), o.chunk.c_str());
+    std::printf("# transport: provider %s, mode %s, cc %s, wait %s, algorithm %s, chunk %s, qps per peer %u\n#\n", o.provider.c_str(), o.mode.c_str(),
+                o.cc.c_str(), o.wait.c_str(), o.algorithm.c_str(), o.chunk.c_str(), o.qps);
     std::printf("#                                              out-of-place                       in-place          \n");
     std::printf("#       size         count      type   redop     time   algbw   busbw #wrong     time   algbw   busbw #wrong\n");
     std::printf("#        (B)    (elements)                       (us)  (GB/s)  (GB/s)            (us)  (GB/s)  (GB/s)       \n");
@@ -279,6 +280,8 @@ int main(int argc, char** argv) {
   app.add_option("--algorithm", o.algorithm, "auto, ring or rd (recursive doubling)");
   app.add_option("--cc", o.cc, "congestion control of the soft provider: auto, none, dcqcn or swift");
   app.add_option("--chunk", o.chunk, "pipelining chunk / landing slot size");
+  app.add_option("--qps", o.qps, "RC QPs per peer; messages of 32 KiB and more are striped over them (as NCCL_IB_QPS_PER_CONNECTION)")
+      ->check(CLI::Range(1u, 16u));
   app.add_option("--timeout", o.timeout_ms, "fail a call after this long without progress (ms)");
   app.add_flag("-v,--verbose", o.verbose, "print each rank's transport counters at the end");
   app.add_option("--wait", o.wait, "busy (spin: lowest latency, one core per rank) or adaptive (spin 50 us, then sleep); "
@@ -299,6 +302,7 @@ int main(int argc, char** argv) {
   if (o.wait != "busy" && o.wait != "adaptive") die("--wait", Status(Errc::invalid_argument, "busy or adaptive"));
   base.context.wait = o.wait == "busy" ? WaitPolicy::busy_poll : WaitPolicy::adaptive;
   base.chunk_bytes = *chunk;
+  base.qps_per_peer = o.qps;
   base.timeout = std::chrono::milliseconds(o.timeout_ms);
   if (o.cc == "none") base.context.congestion_control = CongestionControl::none;
   else if (o.cc == "dcqcn") base.context.congestion_control = CongestionControl::dcqcn;

@@ -72,11 +72,17 @@ struct CommunicatorOptions {
   size_t small_message_bytes = 64 * 1024;  // automatic: recursive doubling at or below this size
   size_t chunk_bytes = 512 * 1024;         // pipelining unit and landing-slot size (multiple of 4 KiB)
   uint32_t slots = 4;                      // landing slots per peer = messages in flight per peer
+  // RC QPs per peer (NCCL_IB_QPS_PER_CONNECTION): messages of 32 KiB and more
+  // are striped over them in equal 4 KiB-aligned parts. On the verbs provider
+  // each QP is its own RoCEv2 flow (UDP source port), so ECMP spreads one
+  // peer's traffic over several paths; on the soft provider all QPs of a
+  // rank share its UDP socket (one flow). Must agree across ranks. [1, 16]
+  uint32_t qps_per_peer = 1;
 
   // Reads the launcher's environment on top of `base`: torchrun's RANK,
   // WORLD_SIZE, MASTER_ADDR, MASTER_PORT; mpirun's OMPI_COMM_WORLD_RANK and
   // OMPI_COMM_WORLD_SIZE (with MASTER_ADDR/MASTER_PORT, or their defaults
-  // above); and STELLAR_COLL_TIMEOUT_MS. Fails with invalid_argument when no
+  // above); STELLAR_COLL_TIMEOUT_MS and STELLAR_COLL_QPS_PER_PEER. Fails with invalid_argument when no
   // rank/size is found or the values are out of range.
   static Result<CommunicatorOptions> from_environment(const CommunicatorOptions& base);
   static Result<CommunicatorOptions> from_environment();  // on top of the defaults

@@ -276,6 +276,20 @@ TEST(Collectives, CorrectUnderInjectedLossDuplicationAndReordering) {
   expect_all_zero(run_ranks(3, [](Communicator& c, int) { return exercise_all(c, {1, 7, 3001, 40000}, false); }, faults));
 }
 
+TEST(Collectives, StripedOverThreeQpsPerPeerUnderInjectedFaults) {
+  // 64 KiB chunks split into 24+24+16 KiB parts on three QPs per peer; the
+  // parts of one message travel (and are lost, duplicated, reordered)
+  // independently and must be put back together. Messages under 32 KiB
+  // (the small counts, the recursive-doubling exchanges) stay on QP 0.
+  auto striped = [](CommunicatorOptions& o) {
+    o.chunk_bytes = 64 * 1024;
+    o.small_message_bytes = 4096;
+    o.qps_per_peer = 3;
+    o.context.faults = FaultOptions{0.02, 0.01, 0.02, 0};
+  };
+  expect_all_zero(run_ranks(3, [](Communicator& c, int) { return exercise_all(c, {1, 7, 3001, 40000, 100003}, false); }, striped));
+}
+
 TEST(Collectives, ForcedAlgorithmsAgreeOnNonPowerOfTwoRanks) {
   for (auto algorithm : {AllreduceAlgorithm::ring, AllreduceAlgorithm::recursive_doubling}) {
     auto forced = [algorithm](CommunicatorOptions& o) {
@@ -359,6 +373,13 @@ TEST(Collectives, RanksThatDisagreeOnJobParametersFailAtBootstrap) {
   const auto codes = run_ranks(2, [](Communicator&, int) { return 0; }, disagree, 30s);
   EXPECT_NE(codes[0], 0);
   EXPECT_NE(codes[1], 0);
+  auto stripes_differ = [](CommunicatorOptions& o) {
+    o.timeout = 5s;
+    if (o.rank == 1) o.qps_per_peer = 2;
+  };
+  const auto striped = run_ranks(2, [](Communicator&, int) { return 0; }, stripes_differ, 30s);
+  EXPECT_NE(striped[0], 0);
+  EXPECT_NE(striped[1], 0);
 }
 
 TEST(Collectives, ASingleRankWorldCopies) {
@@ -385,11 +406,16 @@ TEST(CommunicatorOptions, ReadsTorchrunAndMpirunEnvironments) {
   setenv("OMPI_COMM_WORLD_RANK", "1", 1);
   setenv("OMPI_COMM_WORLD_SIZE", "2", 1);
   setenv("STELLAR_COLL_TIMEOUT_MS", "1500", 1);
+  setenv("STELLAR_COLL_QPS_PER_PEER", "4", 1);
   o = CommunicatorOptions::from_environment();
   ASSERT_TRUE(o.ok());
   EXPECT_EQ(o->rank, 1);
   EXPECT_EQ(o->world_size, 2);
   EXPECT_EQ(o->timeout, 1500ms);
+  EXPECT_EQ(o->qps_per_peer, 4u);
+  setenv("STELLAR_COLL_QPS_PER_PEER", "17", 1);
+  EXPECT_EQ(CommunicatorOptions::from_environment().status().code(), Errc::invalid_argument);
+  unsetenv("STELLAR_COLL_QPS_PER_PEER");
 
   setenv("OMPI_COMM_WORLD_RANK", "2", 1);  // rank >= size
   EXPECT_EQ(CommunicatorOptions::from_environment().status().code(), Errc::invalid_argument);
