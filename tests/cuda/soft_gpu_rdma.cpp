@@ -180,16 +180,19 @@ int client(uint16_t port, size_t bytes, int iterations) {
   if (got != expected) fail(side, "the RDMA READ did not bring the GPU buffer back byte-exact");
   std::printf("client: RDMA READ of %zu bytes came back byte-exact into GPU memory\n", bytes);
 
-  // Staged bandwidth: GPU -> GPU RDMA WRITEs, each followed by a SEND whose
-  // receive makes the server copy the data to its device.
-  const auto start = Clock::now();
-  for (int i = 0; i < iterations; ++i) {
-    must(e.qp->post_send(write), side, "post WRITE");
-    must(e.qp->post_send(done), side, "post SEND");
-    wait_one(*e.cq, side, "a WRITE");
-    wait_one(*e.cq, side, "a SEND");
-  }
-  const double staged_s = std::chrono::duration<double>(Clock::now() - start).count();
+  // Seconds for `iterations` WRITEs of `wr`, each followed by a SEND whose
+  // receive makes the server copy GPU-bound data to its device.
+  auto timed_writes = [&](const SendWr& wr) {
+    const auto start = Clock::now();
+    for (int i = 0; i < iterations; ++i) {
+      must(e.qp->post_send(wr), side, "post WRITE");
+      must(e.qp->post_send(done), side, "post SEND");
+      wait_one(*e.cq, side, "a WRITE");
+      wait_one(*e.cq, side, "a SEND");
+    }
+    return std::chrono::duration<double>(Clock::now() - start).count();
+  };
+  const double staged_s = timed_writes(write);  // GPU -> GPU, staged
   // The same transport between host buffers: what the wire alone gives here.
   std::vector<uint8_t> host_source(expected);
   auto host_mr = must(e.pd->register_memory(host_source.data(), bytes, access_local_write), side, "register host source");
@@ -198,14 +201,7 @@ int client(uint16_t port, size_t bytes, int iterations) {
   host_write.sg_list = {&from_host, 1};
   host_write.remote_addr = remote.host_addr;
   host_write.rkey = remote.host_rkey;
-  const auto host_start = Clock::now();
-  for (int i = 0; i < iterations; ++i) {
-    must(e.qp->post_send(host_write), side, "post WRITE");
-    must(e.qp->post_send(done), side, "post SEND");
-    wait_one(*e.cq, side, "a WRITE");
-    wait_one(*e.cq, side, "a SEND");
-  }
-  const double host_s = std::chrono::duration<double>(Clock::now() - host_start).count();
+  const double host_s = timed_writes(host_write);
   // What staging costs per message, done by hand: device -> pinned host -> device.
   void* pinned = nullptr;
   must(cudaMallocHost(&pinned, bytes), side, "cudaMallocHost");

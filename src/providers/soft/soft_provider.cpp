@@ -503,7 +503,7 @@ Result<std::unique_ptr<MemoryRegion>> SoftPd::register_memory(void* addr, size_t
     return Status(Errc::invalid_argument, "register_memory: unknown access bits");
   if ((access & (access_remote_write | access_remote_atomic)) && !(access & access_local_write))
     return Status(Errc::invalid_argument, "register_memory: remote write/atomic access requires local write (as in verbs)");
-  MrEntry e{reinterpret_cast<uint64_t>(addr), length, access, this, 0, 0, static_cast<uint8_t*>(addr), nullptr};
+  MrEntry e{reinterpret_cast<uint64_t>(addr), length, access, this, 0, 0, static_cast<uint8_t*>(addr), nullptr, 0, nullptr};
   if (length && gpu::memory_kind(addr) == gpu::MemoryKind::device) {
     // The CPU cannot address device memory: stage it (GpuShadow).
     if (access & access_remote_atomic)
