@@ -1119,9 +1119,14 @@ struct QpEngine::State {
         const int32_t d = diff(pending[i].psn, epsn);
         if (d > 0) continue;
         pending_used[i] = false;
+        const Header h = pending[i];
         if (d == 0) {
-          const Header h = pending[i];
           execute(h, now, false);
+          progress = true;
+        } else if (h.opcode == opcode::read_request) {
+          // Overtaken by an overlapping re-request of the same piece: serve
+          // it (its tail may lie past what the other one covered).
+          replay_duplicate(h, now);
           progress = true;
         }
       }

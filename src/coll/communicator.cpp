@@ -181,7 +181,10 @@ struct Arrival {
 // large message is striped over them, part j over QP j into its share of
 // the landing slot, each part a WRITE_WITH_IMM with the message's immediate;
 // small messages and control messages (credits, abort, bye) use QP 0. Each
-// QP keeps its own order, so part j of message k is the k-th part on QP j.
+// QP keeps its own order and messages are consumed in order, so the next
+// part on QP j belongs to the next message that uses QP j. The immediate
+// says how many parts the sender made (data_imm), so a receiver expecting
+// another split fails on part 0 instead of waiting or mis-assembling.
 struct Peer {
   int rank = -1;
   std::vector<std::shared_ptr<QueuePair>> qps;
@@ -203,6 +206,10 @@ struct Peer {
   bool has_arrival() const { return !arrivals.empty() && !arrivals[0].empty(); }
 };
 
+// A data message's immediate: [0][15-bit call tag][4-bit parts - 1][12-bit
+// message index within the call]. Control immediates have the top bit set.
+uint32_t data_imm(uint16_t tag, uint32_t parts, uint32_t index) { return uint32_t(tag) << 16 | (parts - 1) << 12 | (index & 0xfff); }
+
 // Completions name the peer and the QP: rank in the low word, QP index above.
 uint64_t channel_id(int rank, size_t qp) { return uint64_t(uint32_t(rank)) | uint64_t(qp) << 32; }
 
@@ -220,7 +227,7 @@ json hello_json(int rank, int world, const CommunicatorOptions& o, const std::ve
     endpoints.push_back(qps);
     landing.push_back(json{{"addr", reinterpret_cast<uint64_t>(p.landing)}});
   }
-  return json{{"type", "hello"},          {"version", 1},           {"rank", rank},
+  return json{{"type", "hello"},          {"version", 2},           {"rank", rank},
               {"world_size", world},      {"mode", to_string(o.context.mode)},
               {"slots", o.slots},         {"chunk_bytes", o.chunk_bytes},
               {"allreduce_algorithm", int(o.allreduce_algorithm)}, {"small_message_bytes", o.small_message_bytes},
@@ -465,7 +472,7 @@ Status Comm::bootstrap() {
 Status check_hello(const json& h, int world, const json& reference) {
   try {
     const int r = h.at("rank").get<int>();
-    if (h.at("version").get<int>() != 1) return Status(Errc::protocol_error, "rank " + std::to_string(r) + " speaks another rendezvous version");
+    if (h.at("version").get<int>() != 2) return Status(Errc::protocol_error, "rank " + std::to_string(r) + " speaks another rendezvous version");
     if (h.at("world_size").get<int>() != world)
       return Status(Errc::invalid_argument, "rank " + std::to_string(r) + " says the world size is " + std::to_string(h.at("world_size").get<int>()) +
                                                 ", rank 0 says " + std::to_string(world));
@@ -707,7 +714,7 @@ Status Comm::send(Peer& p, const uint8_t* source, uint32_t lkey, size_t bytes, u
     wr.sg_list = {&sge, bytes ? 1u : 0u};
     wr.remote_addr = p.remote_landing + (p.data_posted % options_.slots) * options_.chunk_bytes + offset;
     wr.rkey = p.remote_rkey;
-    wr.imm_data = uint32_t(call_tag_) << 16 | (p.call_sent & 0xffff);
+    wr.imm_data = data_imm(call_tag_, parts, p.call_sent);
     if (Status s = p.qps[j]->post_send(wr); !s.ok()) return fail(s);
   }
   ++p.data_posted;
@@ -726,11 +733,11 @@ Result<const uint8_t*> Comm::receive(Peer& p, size_t bytes) {
                            to_string(type_) + ", reduction " + to_string(op_) +
                            "): operation, element count, data type, reduction or root differ, or the ranks' calls are out of order"));
   };
-  // Every part carries the message's immediate; part j arrives on QP j.
+  // Every part carries the message's immediate (with the sender's part
+  // count); part j arrives on QP j. Part 0 is checked before waiting for more.
   auto matches = [&](uint32_t j) {
     const Arrival& a = p.arrivals[j].front();
-    const uint16_t tag = uint16_t((a.imm >> 16) & 0x7fff);
-    return tag == call_tag_ && (a.imm & 0xffff) == (p.call_received & 0xffff) && a.length == std::min(part, bytes - size_t(j) * part);
+    return a.imm == data_imm(call_tag_, parts, p.call_received) && a.length == std::min(part, bytes - size_t(j) * part);
   };
   for (uint32_t j = 0; j < parts; ++j) {
     while (p.arrivals[j].empty()) {
@@ -738,7 +745,6 @@ Result<const uint8_t*> Comm::receive(Peer& p, size_t bytes) {
         return fail(Status(Errc::protocol_error, std::string(call_name_) + ": rank " + std::to_string(p.rank) +
                                                      " destroyed its communicator; the ranks made different numbers of calls"));
       if (Status s = pump(&p, "data"); !s.ok()) return s;
-      if (j > 0 && !matches(0)) return mismatch();  // the first part says at once if the calls differ
     }
     if (!matches(j)) return mismatch();
   }

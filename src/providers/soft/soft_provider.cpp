@@ -797,7 +797,9 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
     if (e.gpu) {
       const uint64_t offset = e.shadow_offset + (address - e.addr);
       if (access & access_remote_write) {
-        if (e.gpu->dirty.empty()) t.dirty_gpu.push_back(e.gpu.get());
+        // A cached shadow may be shared by regions of several tenants: each
+        // tenant whose peer wrote it must flush it at its next receive.
+        if (std::find(t.dirty_gpu.begin(), t.dirty_gpu.end(), e.gpu.get()) == t.dirty_gpu.end()) t.dirty_gpu.push_back(e.gpu.get());
         e.gpu->mark_dirty(offset, length);
       } else if (access & access_remote_read) {
         // The device holds the newest data, except what peers wrote since.
@@ -1142,6 +1144,7 @@ Status SoftContext::start_staging(StagingJob& job, const std::vector<StagedPart>
         st = shadow.driver->check(api.cuEventRecord(chunk.event, *stream), "cuEventRecord");
       }
       if (!st) {
+        (void)api.cuStreamSynchronize(*stream);  // a copy may be queued without its event
         drop_staging(job);
         return st;
       }
