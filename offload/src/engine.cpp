@@ -342,7 +342,14 @@ struct QpEngine::State {
       return PostResult::invalid_argument;
     if (sq_count == config.max_send_wr) return PostResult::queue_full;
     const uint32_t packets = is_atomic(work.opcode) ? 1 : std::max<uint32_t>(1, uint32_t((length + config.mtu - 1) / config.mtu));
-    // A READ larger than half the PSN window is asked for in pieces (read_request_packets).
+    // PSN comparisons (diff) hold within half the PSN space: the PSNs from the
+    // oldest unacknowledged one to the end of this WR must span less than a
+    // quarter of it (2^22 in roce mode, whose PSNs have 24 bits; e.g. 2 GiB at
+    // a 256-byte MTU is 2^23). A READ larger than half the window is asked
+    // for in pieces (read_request_packets).
+    const uint32_t max_span = (psn_mask >> 2) + 1;
+    if (packets > max_span) return PostResult::invalid_argument;
+    if (uint64_t(uint32_t(diff(assign_psn, una))) + packets > max_span) return PostResult::queue_full;
 
     const uint32_t index = (sq_head + sq_count) % config.max_send_wr;
     SendWqe& w = sq[index];

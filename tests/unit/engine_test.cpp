@@ -723,3 +723,23 @@ TEST_P(EngineModes, StagedPayloadGoesOutOnlyAsItBecomesReady) {
   EXPECT_EQ(0, std::memcmp(target.data(), &word, 8)) << "the later WRITE landed after the staged one";
   EXPECT_FALSE(p.a->set_ready(1, 1)) << "completed WQEs are gone";
 }
+
+TEST(EnginePsnSpace, WorkBeyondAQuarterOfThePsnSpaceWaitsOrIsRefused) {
+  // roce PSNs have 24 bits: with a 256-byte MTU, 2 GiB is 2^23 packets and
+  // could not be told apart from PSNs behind it. One such WR is refused; WRs
+  // that together would span more than 2^22 PSNs wait (queue_full) until the
+  // older ones are acknowledged. Nothing is sent here, so the buffer is never read.
+  EngineConfig config;
+  config.mtu = 256;
+  Pair p(Mode::roce, {}, 3, config);
+  static uint8_t byte;
+  SendWork huge = make_work(WorkOpcode::rdma_write, 1, &byte, 0);
+  huge.segments[0].length = 1u << 31;
+  EXPECT_EQ(p.a->post_send(huge, p.now), PostResult::invalid_argument);
+  SendWork big = huge;
+  big.segments[0].length = (1u << 29) + (1u << 28);  // 3 * 2^20 packets
+  EXPECT_EQ(p.a->post_send(big, p.now), PostResult::ok);
+  EXPECT_EQ(p.a->post_send(big, p.now), PostResult::queue_full) << "6 * 2^20 PSNs would be past 2^22";
+  SendWork small = make_work(WorkOpcode::rdma_write, 2, &byte, 1);
+  EXPECT_EQ(p.a->post_send(small, p.now), PostResult::ok);
+}

@@ -732,7 +732,7 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
     }
     switch (posted) {
       case off::PostResult::ok: break;
-      case off::PostResult::queue_full: return Status(Errc::queue_full, "post_send: send queue full (max_send_wr " + std::to_string(cap_.max_send_wr) + ")");
+      case off::PostResult::queue_full: return Status(Errc::queue_full, "post_send: send queue full (max_send_wr " + std::to_string(cap_.max_send_wr) + ", or a quarter of the PSN space in flight)");
       case off::PostResult::invalid_argument: return Status(Errc::invalid_argument, "post_send: rejected by the transport (message too large?)");
       case off::PostResult::qp_in_error: return Status(Errc::wrong_state, "post_send: QP in ERROR");
     }
