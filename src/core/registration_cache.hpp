@@ -113,6 +113,26 @@ class RegistrationCache {
       entry_.reset();
       state_.reset();
     }
+    // Drops this use like reset(); if it was the entry's last use, the entry
+    // also leaves the cache and is deregistered now instead of staying cached.
+    // For registrations whose keys must not outlive their last user (a NIC's
+    // rkey stays valid while its MR exists): the cache then only shares live
+    // registrations.
+    void retire() {
+      if (!entry_) return;
+      typename State::Dead dead;
+      {
+        std::lock_guard lock(state_->mutex);
+        if (--entry_->references == 0) {
+          if (entry_->valid) state_->unindex(entry_);
+          entry_->valid = false;
+          dead.push_back(entry_);
+        }
+      }
+      state_->finish(dead);
+      entry_.reset();
+      state_.reset();
+    }
 
    private:
     friend class RegistrationCache;

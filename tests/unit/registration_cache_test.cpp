@@ -113,6 +113,28 @@ TEST(RegistrationCache, TwoReferencesDeregisterAfterTheLast) {
   EXPECT_EQ(f.deregistered, std::vector<int>({1}));
 }
 
+TEST(RegistrationCache, RetireDeregistersAtTheLastUseInsteadOfCaching) {
+  Fixture f;
+  auto a = f.add(0x10000, page);
+  auto b = f.cache.lookup(0x10000, page);
+  ASSERT_TRUE(b);
+  a.retire();  // not the last use: stays registered and findable
+  EXPECT_FALSE(a);
+  EXPECT_TRUE(f.deregistered.empty());
+  EXPECT_EQ(f.cache.size(), 1u);
+  b->retire();  // the last: gone now, not kept for later lookups
+  EXPECT_EQ(f.deregistered, std::vector<int>({1}));
+  EXPECT_EQ(f.cache.size(), 0u);
+  EXPECT_FALSE(f.cache.lookup(0x10000, page));
+  // An entry invalidated while in use is deregistered once, at its retirement.
+  auto c = f.add(0x20000, page);
+  f.cache.invalidate(0x20000, page);
+  c.retire();
+  EXPECT_EQ(f.deregistered, std::vector<int>({1, 2}));
+  c.retire();  // a retired reference is empty: nothing happens twice
+  EXPECT_EQ(f.deregistered.size(), 2u);
+}
+
 TEST(RegistrationCache, ReRegisterAfterFreeIsANewRegistration) {
   Fixture f;
   uint64_t first_id;

@@ -31,6 +31,7 @@
 #include "core/log.hpp"
 #include "core/providers.hpp"
 #include "gpu/cuda_driver.hpp"
+#include "providers/verbs/shared_registrations.hpp"
 #include "providers/verbs/translate.hpp"
 
 namespace stellar::provider {
@@ -264,6 +265,8 @@ class VerbsContext final : public Context {
 
 class VerbsPd final : public ProtectionDomain, public std::enable_shared_from_this<VerbsPd> {
  public:
+  using Shared = SharedRegistrations<ibv_mr*>;
+
   VerbsPd(std::shared_ptr<VerbsContext> context, ibv_pd* pd, std::string tenant, uint16_t pkey, uint16_t pkey_index)
       : context_(std::move(context)), pd_(pd), tenant_(std::move(tenant)), pkey_(pkey), pkey_index_(pkey_index) {}
   ~VerbsPd() override {
@@ -277,10 +280,18 @@ class VerbsPd final : public ProtectionDomain, public std::enable_shared_from_th
   uint16_t pkey_index() const { return pkey_index_; }
 
  private:
+  Result<ibv_mr*> register_gpu(void* addr, size_t length, unsigned flags);
+
   std::shared_ptr<VerbsContext> context_;
   ibv_pd* pd_;
   std::string tenant_;
   uint16_t pkey_, pkey_index_;
+  // Live GPU registrations, shared by registrations of the same allocation
+  // and access (shared_registrations.hpp). Declared after pd_: destroyed
+  // first, though every MR holds the PD and so has released its use by then.
+  Shared shared_{[](ibv_mr*&& mr) {
+    if (int rc = ibv_dereg_mr(mr); rc != 0) log().error("verbs provider: {}", call_failed("ibv_dereg_mr", rc));
+  }};
 };
 
 Result<std::shared_ptr<ProtectionDomain>> VerbsContext::allocate_pd(const std::string& tenant) {
@@ -296,23 +307,60 @@ Result<std::shared_ptr<ProtectionDomain>> VerbsContext::allocate_pd(const std::s
   return std::shared_ptr<ProtectionDomain>(std::make_shared<VerbsPd>(self(), pd, tenant, partition.pkey, partition.index));
 }
 
+// A registration: its own ibv_mr (host memory), or a use of a shared GPU
+// registration that may cover more than this region (same keys).
 class VerbsMr final : public MemoryRegion {
  public:
-  VerbsMr(std::shared_ptr<VerbsPd> pd, ibv_mr* mr, uint32_t access) : pd_(std::move(pd)), mr_(mr), access_(access) {}
+  VerbsMr(std::shared_ptr<VerbsPd> pd, ibv_mr* mr, uint64_t addr, uint64_t length, uint32_t access, VerbsPd::Shared::Use use = {})
+      : pd_(std::move(pd)), mr_(mr), addr_(addr), length_(length), access_(access), use_(std::move(use)) {}
   ~VerbsMr() override {
-    if (int rc = ibv_dereg_mr(mr_); rc != 0) log().error("verbs provider: {}", call_failed("ibv_dereg_mr", rc));
+    if (use_) {
+      VerbsPd::Shared::release(use_);  // deregisters the shared MR if this was its last user
+    } else if (int rc = ibv_dereg_mr(mr_); rc != 0) {
+      log().error("verbs provider: {}", call_failed("ibv_dereg_mr", rc));
+    }
   }
   uint32_t lkey() const override { return mr_->lkey; }
   uint32_t rkey() const override { return mr_->rkey; }
-  uint64_t addr() const override { return reinterpret_cast<uint64_t>(mr_->addr); }
-  uint64_t length() const override { return mr_->length; }
+  uint64_t addr() const override { return addr_; }
+  uint64_t length() const override { return length_; }
   uint32_t access() const override { return access_; }
 
  private:
   std::shared_ptr<VerbsPd> pd_;  // the PD outlives its regions
   ibv_mr* mr_;
+  uint64_t addr_, length_;  // what the caller registered
   uint32_t access_;
+  VerbsPd::Shared::Use use_;
 };
+
+// GPU memory (docs/gpu.md): dma-buf first, which needs no extra kernel
+// module; the MR keeps its own reference to the dma-buf, so the fd closes
+// when `buffer` goes out of scope. Then the nvidia-peermem route (the kernel
+// module pins device pages behind ibv_reg_mr).
+Result<ibv_mr*> VerbsPd::register_gpu(void* addr, size_t length, unsigned flags) {
+  std::string dmabuf_failure;
+  auto driver = gpu::CudaDriver::load();
+  auto buffer = driver ? gpu::export_dmabuf(**driver, addr, length) : Result<gpu::DmaBuf>(driver.status());
+  if (buffer) {
+    if (ibv_mr* mr = ibv_reg_dmabuf_mr(pd_, buffer->offset(), length, reinterpret_cast<uint64_t>(addr), buffer->fd(), int(flags))) {
+      log().debug("verbs provider: GPU memory {:#x} +{} registered through dma-buf", reinterpret_cast<uint64_t>(addr), length);
+      return mr;
+    }
+    dmabuf_failure = call_failed("ibv_reg_dmabuf_mr", errno);
+  } else {
+    dmabuf_failure = buffer.status().to_string();
+  }
+  if (ibv_mr* mr = ibv_reg_mr_iova2(pd_, addr, length, reinterpret_cast<uint64_t>(addr), flags)) {
+    log().debug("verbs provider: GPU memory {:#x} +{} registered through nvidia-peermem (dma-buf: {})", reinterpret_cast<uint64_t>(addr), length,
+                dmabuf_failure);
+    return mr;
+  }
+  const int e = errno;
+  return Status(Errc::unsupported, "register_memory: GPU memory at " + std::to_string(reinterpret_cast<uint64_t>(addr)) +
+                                       " could not be registered: dma-buf: " + dmabuf_failure + "; nvidia-peermem: " +
+                                       call_failed("ibv_reg_mr_iova2", e) + " (load nvidia_peermem or use a dma-buf capable driver; `stellar doctor` checks both)");
+}
 
 Result<std::unique_ptr<MemoryRegion>> VerbsPd::register_memory(void* addr, size_t length, uint32_t access) {
   if (!addr && length) return Status(Errc::invalid_argument, "register_memory: null address");
@@ -326,30 +374,20 @@ Result<std::unique_ptr<MemoryRegion>> VerbsPd::register_memory(void* addr, size_
   // ibv_reg_mr_iova2 is the call that passes optional flags on. iova = the
   // address, so remote peers use virtual addresses as everywhere else.
   const unsigned flags = to_ibv_access(access) | IBV_ACCESS_RELAXED_ORDERING;
-  const bool device_memory = length && gpu::memory_kind(addr) == gpu::MemoryKind::device;
-  std::string dmabuf_failure;
-  if (device_memory) {
-    // GPU memory (docs/gpu.md): dma-buf first, which needs no extra kernel
-    // module; the MR keeps its own reference to the dma-buf, so the fd
-    // closes when `buffer` goes out of scope.
+  const uint64_t address = reinterpret_cast<uint64_t>(addr);
+  if (length && gpu::memory_kind(addr) == gpu::MemoryKind::device) {
     auto driver = gpu::CudaDriver::load();
-    auto buffer = driver ? gpu::export_dmabuf(**driver, addr, length) : Result<gpu::DmaBuf>(driver.status());
-    if (buffer) {
-      if (ibv_mr* mr = ibv_reg_dmabuf_mr(pd_, buffer->offset(), length, reinterpret_cast<uint64_t>(addr), buffer->fd(), int(flags)))
-        return std::unique_ptr<MemoryRegion>(std::make_unique<VerbsMr>(shared_from_this(), mr, access));
-      dmabuf_failure = call_failed("ibv_reg_dmabuf_mr", errno);
-    } else {
-      dmabuf_failure = buffer.status().to_string();
-    }
+    auto info = driver ? gpu::query_pointer(**driver, addr) : Result<gpu::PointerInfo>(driver.status());
+    if (!info) return info.status();
+    bool hit = false;
+    auto use = shared_.acquire(address, length, access, info->buffer_id,
+                               [&](uint64_t, uint64_t) { return register_gpu(addr, length, flags); }, &hit);
+    if (!use) return use.status();
+    if (hit) log().debug("verbs provider: GPU memory {:#x} +{}: shares a live registration", address, length);
+    ibv_mr* mr = use->handle().handle;
+    return std::unique_ptr<MemoryRegion>(std::make_unique<VerbsMr>(shared_from_this(), mr, address, length, access, std::move(*use)));
   }
-  // Host memory; for GPU memory the nvidia-peermem route (the kernel module pins device pages).
-  ibv_mr* mr = ibv_reg_mr_iova2(pd_, addr, length, reinterpret_cast<uint64_t>(addr), flags);
-  if (!mr && device_memory) {
-    const int e = errno;
-    return Status(Errc::unsupported, "register_memory: GPU memory at " + std::to_string(reinterpret_cast<uint64_t>(addr)) +
-                                         " could not be registered: dma-buf: " + dmabuf_failure + "; nvidia-peermem: " +
-                                         call_failed("ibv_reg_mr_iova2", e) + " (load nvidia_peermem or use a dma-buf capable driver; `stellar doctor` checks both)");
-  }
+  ibv_mr* mr = ibv_reg_mr_iova2(pd_, addr, length, address, flags);
   if (!mr) {
     const int e = errno;
     std::string hint;
@@ -358,7 +396,7 @@ Result<std::unique_ptr<MemoryRegion>> VerbsPd::register_memory(void* addr, size_
     return Status(e == EFAULT ? Errc::invalid_argument : errc_of(e),
                   call_failed("ibv_reg_mr_iova2(" + std::to_string(length) + " bytes)", e) + hint);
   }
-  return std::unique_ptr<MemoryRegion>(std::make_unique<VerbsMr>(shared_from_this(), mr, access));
+  return std::unique_ptr<MemoryRegion>(std::make_unique<VerbsMr>(shared_from_this(), mr, address, length, access));
 }
 
 class VerbsQp final : public QueuePair {

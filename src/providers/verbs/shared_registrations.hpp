@@ -1,0 +1,100 @@
+// Sharing of live GPU memory registrations within one protection domain, for
+// the verbs provider (docs/verbs-provider.md, "Registration cache").
+//
+// Registering GPU memory with a NIC (a dma-buf export plus
+// ibv_reg_dmabuf_mr, or nvidia-peermem pinning) costs from tens of
+// microseconds to milliseconds. Frameworks register the same buffers again
+// and again (per step, per collective call), so a registration of a range
+// that an existing registration with the same access already covers takes a
+// use of that one instead of making another: same lkey and rkey, nothing
+// done by the NIC.
+//
+// What it never does:
+//  - Keep a registration past its last user. A NIC's rkey stays valid while
+//    its MR exists, so a cached-but-unused MR would let peers keep writing
+//    into memory the application believes deregistered. The last release
+//    deregisters it (RegistrationCache::Reference::retire).
+//  - Hand out a registration of freed memory. Each registration remembers
+//    the identity of the allocation it was made for (CUDA's buffer id, new
+//    for every allocation even at a reused address); a lookup that finds a
+//    registration of another allocation drops it from the cache (its users
+//    keep theirs) and registers anew.
+//  - Widen access: a registration is shared only with requests of exactly
+//    the same access flags (one cache per access combination), so a
+//    local-only registration never gets an rkey of a remote-write one.
+//
+// Plain host memory is not shared: nothing tells a free() + malloc() at the
+// same address apart, and the NIC would keep the old pages pinned under the
+// shared key. It is registered per request, as before.
+//
+// Thread-safety: every member may be called from any thread (the caches lock).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <utility>
+
+#include "core/registration_cache.hpp"
+#include "stellar/status.hpp"
+
+namespace stellar::provider::verbs {
+
+template <typename Handle>
+class SharedRegistrations {
+ public:
+  struct Registration {
+    Handle handle;
+    uint64_t identity = 0;  // the allocation it describes (CUDA buffer id)
+  };
+  using Cache = RegistrationCache<Registration>;
+  using Use = typename Cache::Reference;  // end it with release(), not by dropping it
+
+  static constexpr uint32_t access_combinations = 16;  // the four access bits of stellar/verbs.hpp
+
+  // `deregister` receives each handle exactly once, after its last use; it must not throw.
+  explicit SharedRegistrations(std::function<void(Handle&&)> deregister) {
+    auto shared = std::make_shared<std::function<void(Handle&&)>>(std::move(deregister));
+    for (auto& cache : caches_) cache = std::make_unique<Cache>([shared](Registration&& r) { (*shared)(std::move(r.handle)); });
+  }
+
+  // A use of a live registration of allocation `identity` covering
+  // [address, address+length) with exactly `access`, or a new one made by
+  // register_range(address, length) -> Result<Handle> (called without any
+  // lock held). `hit` (optional) says which.
+  template <typename RegisterFn>
+  Result<Use> acquire(uint64_t address, uint64_t length, uint32_t access, uint64_t identity, RegisterFn&& register_range, bool* hit = nullptr) {
+    if (hit) *hit = false;
+    if (access >= access_combinations) return Status(Errc::invalid_argument, "shared registration: unknown access bits");
+    Cache& cache = *caches_[access];
+    if (auto use = cache.lookup(address, length)) {
+      if (use->handle().identity == identity) {
+        if (hit) *hit = true;
+        return std::move(*use);
+      }
+      // The memory was freed and allocated again: every registration of the
+      // old allocation in this range is stale, whatever its access.
+      use->reset();
+      for (auto& c : caches_) c->invalidate(address, length);
+    }
+    Result<Handle> made = register_range(address, length);
+    if (!made) return made.status();
+    return cache.insert(address, length, Registration{std::move(*made), identity});
+  }
+
+  // Ends a use; the registration is deregistered if it was the last one.
+  static void release(Use& use) { use.retire(); }
+
+  // Live registrations (those with at least one use), all access combinations.
+  size_t size() const {
+    size_t n = 0;
+    for (const auto& c : caches_) n += c->size();
+    return n;
+  }
+
+ private:
+  std::array<std::unique_ptr<Cache>, access_combinations> caches_;
+};
+
+}  // namespace stellar::provider::verbs
