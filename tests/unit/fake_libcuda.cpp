@@ -5,7 +5,11 @@
 // functions let the test steer and observe it (dlsym them from the handle).
 // Async copies run at once unless fake_cuda_set_deferred(1): then they queue
 // on "the stream" and each cuEventQuery runs one of them, so a poller sees
-// events complete one at a time, as a copy engine's would.
+// events complete one at a time, as a copy engine's would. With
+// fake_cuda_set_deferred(2) the copy engine stalls: queued copies run only
+// when someone synchronizes (stream or event). Synchronous cuMemcpy* never
+// wait for queued copies, as CUDA's legacy stream does not wait for a
+// non-blocking one.
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -216,6 +220,7 @@ CUresult cuEventRecord(void* event, void* stream) {
 CUresult cuEventQuery(void* event) {
   Event* e = static_cast<Event*>(event);
   if (done_copies >= e->after) return 0;
+  if (deferred == 2) return 600;  // stalled
   run_one();   // the copy engine moves on while the host polls:
   return 600;  // CUDA_ERROR_NOT_READY, seen done by the next query
 }

@@ -499,6 +499,157 @@ TEST(SoftProviderGpu, LargeSourcesArePipelinedChunkByChunk) {
   for (CUdeviceptr p : {source, target}) EXPECT_EQ(d.api().cuMemFree(p), CUDA_SUCCESS);
 }
 
+// Large GPU destinations are copied to the device asynchronously: the
+// completion waits for the copy, the progress loop does not. With the fake
+// copy engine stalled, the receiver keeps acknowledging, serving READs and
+// taking later messages; its receive completions stay back, in order, until
+// the copy has run. A READ of the landing buffer meanwhile returns the
+// landed bytes (the stream orders its device -> shadow copy behind the
+// pending shadow -> device one); a plain synchronous copy would have read
+// the device's stale bytes.
+TEST(SoftProviderGpu, LargeDestinationsAreCopiedAsynchronouslyAndCompleteInOrder) {
+  ScopedEnv env("STELLAR_CUDA_LIBRARY", FAKE_LIBCUDA_PATH);
+  const CudaDriver& d = fake();
+  auto set_deferred = fake_control<void (*)(int)>("fake_cuda_set_deferred");
+  auto pending_copies = fake_control<unsigned long long (*)()>("fake_cuda_pending_copies");
+  auto events = fake_control<int (*)()>("fake_cuda_events");
+  constexpr size_t bytes = 256 * 1024 + 100;
+  CUdeviceptr landing = 0, read_target = 0;
+  ASSERT_EQ(d.api().cuMemAlloc(&landing, bytes), CUDA_SUCCESS);
+  ASSERT_EQ(d.api().cuMemAlloc(&read_target, bytes), CUDA_SUCCESS);
+  std::vector<uint8_t> pattern(bytes), zeros(bytes, 0), read_back(bytes, 0);
+  std::iota(pattern.begin(), pattern.end(), uint8_t(5));
+  for (size_t i = 0; i < bytes; i += 11) pattern[i] ^= uint8_t(i >> 10);
+  ASSERT_EQ(d.api().cuMemcpyHtoD(landing, zeros.data(), bytes), CUDA_SUCCESS);
+  ASSERT_EQ(d.api().cuMemcpyHtoD(read_target, zeros.data(), bytes), CUDA_SUCCESS);
+  {
+    Side a = open_side(), b = open_side();
+    connect(a, b);
+    auto source_mr = a.pd->register_memory(pattern.data(), bytes, access_local_write).value();
+    auto back_mr = a.pd->register_memory(read_back.data(), bytes, access_local_write).value();
+    auto landing_mr = b.pd->register_memory(reinterpret_cast<void*>(landing), bytes, access_local_write | access_remote_read).value();
+    Sge into{landing, uint32_t(bytes), landing_mr->lkey()};
+    ASSERT_TRUE(b.qp->post_recv(RecvWr{1, {&into, 1}}).ok());
+    ASSERT_TRUE(b.qp->post_recv(RecvWr{2, {}}).ok());
+
+    set_deferred(2);  // the copy engine stalls until someone synchronizes
+    Sge from{reinterpret_cast<uint64_t>(pattern.data()), uint32_t(bytes), source_mr->lkey()};
+    SendWr send;
+    send.wr_id = 10;
+    send.opcode = WrOpcode::send;
+    send.sg_list = {&from, 1};
+    ASSERT_TRUE(a.qp->post_send(send).ok());
+    SendWr small;
+    small.wr_id = 11;
+    small.opcode = WrOpcode::send_with_imm;
+    small.imm_data = 77;
+    ASSERT_TRUE(a.qp->post_send(small).ok());
+    // Both sends are acknowledged (b's progress loop ran on), while b's
+    // receive completions wait for the stalled copy.
+    WorkCompletion wc = next_completion(a, b);
+    EXPECT_EQ(wc.wr_id, 10u);
+    EXPECT_EQ(wc.status, WcStatus::success);
+    wc = next_completion(a, b);
+    EXPECT_EQ(wc.wr_id, 11u);
+    EXPECT_EQ(pending_copies(), 1u) << "the landed message is copied to the device asynchronously";
+    for (int i = 0; i < 1000; ++i) b.context->progress();
+    EXPECT_EQ(b.cq->poll({&wc, 1}), 0) << "no receive completion before its data is on the device, nor one behind it";
+
+    // A peer READs the landing buffer meanwhile: it gets the landed bytes.
+    Sge back{reinterpret_cast<uint64_t>(read_back.data()), uint32_t(bytes), back_mr->lkey()};
+    SendWr read;
+    read.wr_id = 12;
+    read.opcode = WrOpcode::rdma_read;
+    read.sg_list = {&back, 1};
+    read.remote_addr = landing;
+    read.rkey = landing_mr->rkey();
+    ASSERT_TRUE(a.qp->post_send(read).ok());
+    wc = next_completion(a, b);
+    EXPECT_EQ(wc.wr_id, 12u);
+    EXPECT_EQ(wc.status, WcStatus::success);
+    EXPECT_TRUE(read_back == pattern) << "the READ saw the device before the landed message's copy";
+
+    // The copy engine runs again: the completions come, in order, with the data on the device.
+    set_deferred(1);
+    wc = next_completion(b, a);
+    EXPECT_EQ(wc.wr_id, 1u);
+    EXPECT_EQ(wc.status, WcStatus::success);
+    EXPECT_EQ(wc.byte_len, bytes);
+    EXPECT_EQ(device_bytes(d, landing, bytes), pattern);
+    wc = next_completion(b, a);
+    EXPECT_EQ(wc.wr_id, 2u);
+    EXPECT_TRUE(wc.has_imm);
+    EXPECT_EQ(wc.imm_data, 77u);
+
+    // A large READ into device memory: same path on the send queue, and a
+    // SEND posted after it completes after it.
+    auto target_mr = a.pd->register_memory(reinterpret_cast<void*>(read_target), bytes, access_local_write).value();
+    Sge target{read_target, uint32_t(bytes), target_mr->lkey()};
+    read.wr_id = 13;
+    read.sg_list = {&target, 1};
+    ASSERT_TRUE(b.qp->post_recv(RecvWr{3, {}}).ok());
+    set_deferred(2);
+    ASSERT_TRUE(a.qp->post_send(read).ok());
+    small.wr_id = 14;
+    ASSERT_TRUE(a.qp->post_send(small).ok());
+    wc = next_completion(b, a);  // the SEND arrived: the READ's responses came before it
+    EXPECT_EQ(wc.wr_id, 3u);
+    for (int i = 0; i < 1000; ++i) a.context->progress();
+    EXPECT_EQ(a.cq->poll({&wc, 1}), 0) << "the READ waits for its copy, the SEND for the READ";
+    set_deferred(1);
+    wc = next_completion(a, b);
+    EXPECT_EQ(wc.wr_id, 13u);
+    EXPECT_EQ(device_bytes(d, read_target, bytes), pattern);
+    wc = next_completion(a, b);
+    EXPECT_EQ(wc.wr_id, 14u);
+    set_deferred(0);
+    EXPECT_EQ(events(), 0) << "every held completion's event destroyed";
+  }
+  for (CUdeviceptr p : {landing, read_target}) EXPECT_EQ(d.api().cuMemFree(p), CUDA_SUCCESS);
+}
+
+// A QP destroyed with a completion held for its destination copy waits for
+// the copy and still delivers the completion.
+TEST(SoftProviderGpu, DestroyingAQpWithHeldCompletionsDeliversThem) {
+  ScopedEnv env("STELLAR_CUDA_LIBRARY", FAKE_LIBCUDA_PATH);
+  const CudaDriver& d = fake();
+  auto set_deferred = fake_control<void (*)(int)>("fake_cuda_set_deferred");
+  auto pending_copies = fake_control<unsigned long long (*)()>("fake_cuda_pending_copies");
+  auto events = fake_control<int (*)()>("fake_cuda_events");
+  constexpr size_t bytes = 128 * 1024;
+  CUdeviceptr landing = 0;
+  ASSERT_EQ(d.api().cuMemAlloc(&landing, bytes), CUDA_SUCCESS);
+  std::vector<uint8_t> pattern(bytes);
+  std::iota(pattern.begin(), pattern.end(), uint8_t(9));
+  {
+    Side a = open_side(), b = open_side();
+    connect(a, b);
+    auto source_mr = a.pd->register_memory(pattern.data(), bytes, access_local_write).value();
+    auto landing_mr = b.pd->register_memory(reinterpret_cast<void*>(landing), bytes, access_local_write).value();
+    Sge into{landing, uint32_t(bytes), landing_mr->lkey()};
+    ASSERT_TRUE(b.qp->post_recv(RecvWr{1, {&into, 1}}).ok());
+    set_deferred(2);
+    Sge from{reinterpret_cast<uint64_t>(pattern.data()), uint32_t(bytes), source_mr->lkey()};
+    SendWr send;
+    send.wr_id = 10;
+    send.opcode = WrOpcode::send;
+    send.sg_list = {&from, 1};
+    ASSERT_TRUE(a.qp->post_send(send).ok());
+    EXPECT_EQ(next_completion(a, b).wr_id, 10u);
+    EXPECT_EQ(pending_copies(), 1u);
+    b.qp.reset();
+    EXPECT_EQ(pending_copies(), 0u) << "the QP waited for the copy";
+    EXPECT_EQ(events(), 0);
+    WorkCompletion wc{};
+    ASSERT_EQ(b.cq->poll({&wc, 1}), 1);
+    EXPECT_EQ(wc.wr_id, 1u);
+    EXPECT_EQ(wc.status, WcStatus::success);
+    EXPECT_EQ(device_bytes(d, landing, bytes), pattern);
+    set_deferred(0);
+  }
+  EXPECT_EQ(d.api().cuMemFree(landing), CUDA_SUCCESS);
+}
+
 // A QP destroyed while its chunks are still copying waits for them before
 // the pinned shadow they write can go, and leaks no event.
 TEST(SoftProviderGpu, DestroyingAQpWithCopiesInFlightWaitsForThem) {

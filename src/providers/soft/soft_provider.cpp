@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <mutex>
 #include <random>
@@ -67,13 +68,21 @@ void accumulate(off::EngineCounters& sum, const off::EngineCounters& e) {
 // remote reads copy device -> shadow first. Sources of SEND/WRITE of at
 // least staging_pipeline_bytes are copied asynchronously in chunks on a CUDA
 // stream (StagingJob) and go on the wire chunk by chunk as the copies land;
-// the other copies are synchronous.
-struct GpuShadow {
+// destinations of at least that size are copied asynchronously when the
+// message has arrived and their completion is held until the copy is done
+// (HeldCompletion); the other copies wait for the copy engine.
+//
+// Every copy of a shadow, waited for or not, goes through one stream per
+// GPU (`stream`): stream order is what keeps a READ served from the device
+// behind the asynchronous copy of a receive that just landed there, and a
+// source's device -> shadow copy behind it too.
+struct GpuShadow : std::enable_shared_from_this<GpuShadow> {
   const gpu::CudaDriver* driver = nullptr;
   gpu::PinnedBuffer pinned;
   uint64_t device = 0;  // the device address the shadow starts at
   int ordinal = 0;
   uint64_t buffer_id = 0;  // CUDA's id of the allocation: a new one after free + alloc at the same address
+  gpu::CUstream stream = nullptr;  // the context's staging stream for this GPU
   std::vector<std::pair<uint64_t, uint64_t>> dirty;  // [offset, end) written by peers, not yet on the device
 
   uint8_t* host() const { return static_cast<uint8_t*>(pinned.data()); }
@@ -81,13 +90,24 @@ struct GpuShadow {
     if (!length) return {};
     auto scope = gpu::ScopedDeviceContext::enter(*driver, ordinal);
     if (!scope) return scope.status();
-    return driver->check(driver->api().cuMemcpyDtoH(host() + offset, device + offset, length), "cuMemcpyDtoH (soft provider staging)");
+    Status s = driver->check(driver->api().cuMemcpyDtoHAsync(host() + offset, device + offset, length, stream), "cuMemcpyDtoHAsync (soft provider staging)");
+    const Status waited = driver->check(driver->api().cuStreamSynchronize(stream), "cuStreamSynchronize (soft provider staging)");
+    return s.ok() ? waited : s;
   }
-  Status to_device(uint64_t offset, uint64_t length) {
+  // Queues the copy of [offset, offset + length) to the device on `stream`.
+  Status to_device_async(uint64_t offset, uint64_t length) {
     if (!length) return {};
     auto scope = gpu::ScopedDeviceContext::enter(*driver, ordinal);
     if (!scope) return scope.status();
-    return driver->check(driver->api().cuMemcpyHtoD(device + offset, host() + offset, length), "cuMemcpyHtoD (soft provider staging)");
+    return driver->check(driver->api().cuMemcpyHtoDAsync(device + offset, host() + offset, length, stream), "cuMemcpyHtoDAsync (soft provider staging)");
+  }
+  Status to_device(uint64_t offset, uint64_t length) {
+    if (!length) return {};
+    Status s = to_device_async(offset, length);
+    auto scope = gpu::ScopedDeviceContext::enter(*driver, ordinal);
+    if (!scope) return scope.status();
+    const Status waited = driver->check(driver->api().cuStreamSynchronize(stream), "cuStreamSynchronize (soft provider staging)");
+    return s.ok() ? waited : s;
   }
   void mark_dirty(uint64_t offset, uint64_t length) {
     if (!dirty.empty() && dirty.back().second >= offset && dirty.back().first <= offset + length) {
@@ -401,8 +421,10 @@ class SoftContext final : public Context {
   void poll_staging();              // advances jobs whose chunks landed
   void drop_staging(StagingJob& job);  // waits for its copies, frees its events
   void drop_staging_of(SoftQp* qp);
+  void poll_held_completions();     // delivers held completions whose copies are done
   std::vector<StagingJob> staging_;
   std::map<std::pair<const gpu::CudaDriver*, int>, gpu::CUstream> staging_streams_;
+  uint64_t held_completions_ = 0;  // completions QPs hold for destination copies (HeldCompletion)
   // GPU registrations' pinned shadows (ShadowCache); bytes of the cached ones.
   std::shared_ptr<std::atomic<uint64_t>> shadow_cache_bytes_ = std::make_shared<std::atomic<uint64_t>>(0);
   ShadowCache shadow_cache_{[bytes = shadow_cache_bytes_](std::shared_ptr<GpuShadow>&& shadow) { *bytes -= shadow->pinned.size(); }};
@@ -530,6 +552,10 @@ Result<std::unique_ptr<MemoryRegion>> SoftPd::register_memory(void* addr, size_t
         auto pinned = gpu::PinnedBuffer::allocate(**driver, length);
         if (!pinned) return pinned.status();
         shadow->pinned = std::move(*pinned);
+        std::lock_guard lock(context_->mutex_);
+        auto stream = context_->staging_stream(*shadow);
+        if (!stream) return stream.status();
+        shadow->stream = *stream;
       }
       // No copy now: every path that reads the shadow fills it first (a
       // source at post, a remote READ when it arrives), and every path that
@@ -553,6 +579,16 @@ Result<std::unique_ptr<MemoryRegion>> SoftPd::register_memory(void* addr, size_t
   return std::unique_ptr<MemoryRegion>(std::make_unique<SoftMr>(shared_from_this(), e));
 }
 
+// A completion whose GPU destination copies are still running on the
+// staging stream: delivered to the CQ when their events have completed, in
+// the order of its queue (a QP's send or receive queue).
+struct HeldCompletion {
+  off::Completion c;
+  bool report = true;  // false: an unsignaled send, held only to keep the order
+  std::vector<std::pair<std::shared_ptr<GpuShadow>, gpu::CUevent>> events;  // one per stream copied on
+  std::vector<std::shared_ptr<GpuShadow>> keep;  // the pinned memory the copies read
+};
+
 class SoftQp final : public QueuePair, public off::MemoryAccess, public off::CompletionSink {
  public:
   SoftQp(std::shared_ptr<SoftPd> pd, const QpInitAttributes& attr, uint32_t qpn, uint16_t pkey)
@@ -573,6 +609,7 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
     Tenant& t = c.tenants_.at(pd_->tenant());
     t.qpns.erase(qpn_);
     c.drop_staging_of(this);
+    poll_held(true);  // copies still write the device: wait, and deliver what completed
     if (engine_) {
       // Acknowledge what was delivered here before the QP goes: the peer's
       // last SEND (a "bye") must complete there, not retry into a closed QP.
@@ -815,10 +852,16 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
     WrSlot& slot = receive ? recv_slots_[c.wr_id % recv_slots_.size()] : send_slots_[c.wr_id % send_slots_.size()];
     c.wr_id = slot.wr_id;
     if (slot.staging_failed && !receive) c.status = off::CompletionStatus::local_qp_operation_error;
+    HeldCompletion held{c, slot.signaled || receive, {}, {}};
+    std::vector<StagedPart> copies;  // shadow -> device, before the completion may be seen
+    uint64_t bytes = 0;
     if (c.status == off::CompletionStatus::success) {
       if (receive && !tenant_->dirty_gpu.empty()) {
         // A receive says every earlier write of the peer is in place: on the GPU too.
-        for (GpuShadow* g : tenant_->dirty_gpu) (void)g->flush();
+        for (GpuShadow* g : tenant_->dirty_gpu) {
+          for (auto [begin, end] : g->dirty) copies.push_back({g->shared_from_this(), begin, end - begin}), bytes += end - begin;
+          g->dirty.clear();
+        }
         tenant_->dirty_gpu.clear();
       }
       // The bytes this WR placed in staged GPU destinations (a receive: its
@@ -827,12 +870,55 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
       uint64_t left = c.opcode == off::CompletionOpcode::receive_rdma_with_imm ? 0 : receive ? c.byte_length : UINT64_MAX;
       for (const StagedPart& part : slot.parts) {
         const uint64_t n = std::min<uint64_t>(part.length, left);
-        if (!part.shadow->to_device(part.offset, n).ok()) c.status = off::CompletionStatus::local_protection_error;
+        if (n) copies.push_back({part.shadow, part.offset, n}), bytes += n;
         left -= n;
       }
     }
-    if (!slot.signaled && c.status == off::CompletionStatus::success) return;  // signaled only for the staging
-    (receive ? recv_cq_ : send_cq_)->push(c);
+    std::deque<HeldCompletion>& queue = held_[receive ? 1 : 0];
+    if (bytes >= staging_pipeline_bytes || !queue.empty()) {
+      // Large copies do not hold up the progress loop (every QP's packets
+      // and timers): they are queued on the staging stream and this
+      // completion waits for them, and later ones of its queue behind it.
+      if (!start_held_copies(held, copies)) held.c.status = off::CompletionStatus::local_protection_error;
+      queue.push_back(std::move(held));
+      ++context().held_completions_;
+      return;
+    }
+    for (const StagedPart& copy : copies)
+      if (!copy.shadow->to_device(copy.offset, copy.length).ok()) held.c.status = off::CompletionStatus::local_protection_error;
+    report(held);
+  }
+
+  // Delivers this QP's held completions whose copies have completed, in
+  // order; with `wait`, waits for all of them (QP destruction).
+  void poll_held(bool wait = false) {
+    for (std::deque<HeldCompletion>& queue : held_) {
+      while (!queue.empty()) {
+        HeldCompletion& h = queue.front();
+        bool ready = true;
+        for (auto& [shadow, event] : h.events) {
+          if (!event) continue;
+          auto scope = gpu::ScopedDeviceContext::enter(*shadow->driver, shadow->ordinal);
+          const gpu::CUresult r = !scope ? gpu::CUDA_ERROR_NOT_INITIALIZED
+                                  : wait ? shadow->driver->api().cuEventSynchronize(event)
+                                         : shadow->driver->api().cuEventQuery(event);
+          if (r == gpu::CUDA_ERROR_NOT_READY) {
+            ready = false;
+            break;
+          }
+          if (r != gpu::CUDA_SUCCESS) {
+            log().warn("soft provider: copy of a GPU destination failed: {}", shadow->driver->check(r, "cuEventQuery").to_string());
+            h.c.status = off::CompletionStatus::local_protection_error;
+          }
+          if (scope) (void)shadow->driver->api().cuEventDestroy(event);
+          event = nullptr;
+        }
+        if (!ready) break;  // in order: nothing behind it goes first
+        report(h);
+        queue.pop_front();
+        --context().held_completions_;
+      }
+    }
   }
   uint64_t generation() const override { return pd_->context().memory_generation_; }
   bool local_valid(uint32_t lkey, const uint8_t* address, uint64_t length, uint32_t access) override {
@@ -845,6 +931,7 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
   }
 
   off::QpEngine* engine() { return engine_.get(); }
+  bool holds_completions() const { return !held_[0].empty() || !held_[1].empty(); }
   void mark_staging_failed(uint64_t engine_wr_id) { send_slots_[engine_wr_id % send_slots_.size()].staging_failed = true; }
   const sockaddr_in& peer() const { return peer_; }
   const off::IcrcAddresses& rx_addresses() const { return rx_addresses_; }
@@ -897,6 +984,45 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
     return {};
   }
 
+  void report(const HeldCompletion& h) {
+    if (h.report || h.c.status != off::CompletionStatus::success) (h.c.is_receive() ? recv_cq_ : send_cq_)->push(h.c);
+  }
+
+  // Queues `copies` (shadow -> device) on their shadows' streams and records
+  // one event per stream after them into `held`. False if a copy could not
+  // be queued: the completion then reports an error, once what was queued
+  // has run (its events are still recorded, or the stream waited for).
+  bool start_held_copies(HeldCompletion& held, const std::vector<StagedPart>& copies) {
+    bool ok = true;
+    for (const StagedPart& copy : copies) {
+      if (!copy.shadow->to_device_async(copy.offset, copy.length).ok()) ok = false;
+      held.keep.push_back(copy.shadow);
+      const bool seen = std::any_of(held.events.begin(), held.events.end(), [&](const auto& e) {
+        return e.first->driver == copy.shadow->driver && e.first->ordinal == copy.shadow->ordinal;
+      });
+      if (!seen) held.events.emplace_back(copy.shadow, nullptr);
+    }
+    for (auto& [shadow, event] : held.events) {
+      const gpu::CudaApi& api = shadow->driver->api();
+      auto scope = gpu::ScopedDeviceContext::enter(*shadow->driver, shadow->ordinal);
+      if (!scope) {
+        ok = false;
+        continue;
+      }
+      if (api.cuEventCreate(&event, gpu::CU_EVENT_DISABLE_TIMING) != gpu::CUDA_SUCCESS) {
+        event = nullptr;
+      } else if (api.cuEventRecord(event, shadow->stream) != gpu::CUDA_SUCCESS) {
+        (void)api.cuEventDestroy(event);
+        event = nullptr;
+      }
+      if (!event) {
+        ok = false;
+        (void)api.cuStreamSynchronize(shadow->stream);  // no event to wait on: wait now
+      }
+    }
+    return ok;
+  }
+
   void flush_early_receives() {
     for (auto& r : early_receives_)
       recv_cq_->push(off::Completion{recv_slots_[r.wr_id % recv_slots_.size()].wr_id, off::CompletionStatus::work_request_flushed,
@@ -919,6 +1045,7 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
   std::vector<off::ReceiveWork> early_receives_;
   std::vector<WrSlot> send_slots_, recv_slots_;
   WrSlot pending_slot_;  // the WR being posted
+  std::deque<HeldCompletion> held_[2];  // send, receive queue: completions waiting for destination copies
   uint64_t send_sequence_ = 0, receive_sequence_ = 0;
 };
 
@@ -1055,6 +1182,7 @@ void SoftContext::send_datagrams(size_t n, const sockaddr_in& peer) {
 bool SoftContext::progress_locked(uint64_t now) {
   bool work = false;
   if (!staging_.empty()) poll_staging();
+  if (held_completions_) poll_held_completions();
   const off::Mode mode = options_.mode == Mode::roce ? off::Mode::roce : off::Mode::stellar;
   for (int round = 0; round < 4; ++round) {
     const int n = socket_.receive_batch(rx_, rx_batch);
@@ -1154,6 +1282,11 @@ Status SoftContext::start_staging(StagingJob& job, const std::vector<StagedPart>
   return {};
 }
 
+void SoftContext::poll_held_completions() {
+  for (auto& [key, qp] : qps_)
+    if (qp->holds_completions()) qp->poll_held();
+}
+
 void SoftContext::poll_staging() {
   for (size_t i = 0; i < staging_.size();) {
     StagingJob& job = staging_[i];
@@ -1227,7 +1360,7 @@ void SoftContext::flush_acknowledgements() {
 }
 
 uint64_t SoftContext::next_wakeup_locked(uint64_t now) {
-  uint64_t t = staging_.empty() ? UINT64_MAX : now + 10'000;  // copies in flight: look again in 10 us
+  uint64_t t = staging_.empty() && !held_completions_ ? UINT64_MAX : now + 10'000;  // copies in flight: look again in 10 us
   for (auto& [key, qp] : qps_) t = std::min(t, qp->engine()->next_wakeup_ns(now));
   return t;
 }
