@@ -38,9 +38,12 @@ struct Fixture {
   }};
   bool fail_next = false;
 
-  Result<SharedRegistrations<FakeMr>::Use> acquire(uint64_t address, uint64_t length, uint32_t access, uint64_t allocation, bool* hit = nullptr) {
+  // Registers exactly the range asked for unless `cover_length` is set.
+  Result<SharedRegistrations<FakeMr>::Use> acquire(uint64_t address, uint64_t length, uint32_t access, uint64_t allocation, bool* hit = nullptr,
+                                                   uint64_t cover_start = 0, uint64_t cover_length = 0) {
+    if (!cover_length) cover_start = address, cover_length = length;
     return shared.acquire(
-        address, length, access, allocation,
+        address, length, cover_start, cover_length, access, allocation,
         [&](uint64_t start, uint64_t bytes) -> Result<FakeMr> {
           if (fail_next) {
             fail_next = false;
@@ -89,6 +92,29 @@ TEST(SharedRegistrations, SameAllocationAndAccessShareOneLiveRegistration) {
   EXPECT_FALSE(hit);
   EXPECT_EQ(d->handle().handle.serial, 2);
   SharedRegistrations<FakeMr>::release(*d);
+}
+
+TEST(SharedRegistrations, ThePageCoverIsRegisteredAndFoundByNeighbours) {
+  Fixture f;
+  bool hit = true;
+  // A 100-byte buffer registers its whole page; another buffer in that page finds it.
+  auto first = f.acquire(0x100040, 100, remote, 7, &hit, 0x100000, 4096);
+  ASSERT_TRUE(first);
+  EXPECT_FALSE(hit);
+  EXPECT_EQ(first->handle().handle.start, 0x100000u);
+  EXPECT_EQ(first->handle().handle.length, 4096u);
+  auto neighbour = f.acquire(0x100800, 64, remote, 7, &hit, 0x100000, 4096);
+  ASSERT_TRUE(neighbour);
+  EXPECT_TRUE(hit);
+  EXPECT_EQ(f.registered, 1);
+  auto next_page = f.acquire(0x101000, 64, remote, 7, &hit, 0x101000, 4096);
+  ASSERT_TRUE(next_page);
+  EXPECT_FALSE(hit);
+  auto bad_cover = f.acquire(0x100040, 100, remote, 7, &hit, 0x100080, 4096);  // does not contain the range
+  ASSERT_FALSE(bad_cover);
+  EXPECT_EQ(bad_cover.status().code(), Errc::invalid_argument);
+  for (auto* u : {&*first, &*neighbour, &*next_page}) SharedRegistrations<FakeMr>::release(*u);
+  EXPECT_EQ(f.deregistered.size(), 2u);
 }
 
 TEST(SharedRegistrations, OtherAccessOrAWiderRangeGetsItsOwn) {
@@ -179,7 +205,8 @@ TEST(SharedRegistrations, ConcurrentUseNeverDeregistersAHeldRegistration) {
       if (rng() % 50 == 0) generation[buffer] += 1;  // freed and allocated again
       if (held.size() < 8 && rng() % 2) {
         const uint64_t base = 0x1000000 * (buffer + 1);
-        auto use = shared.acquire(base + (rng() % 4) * 4096, 4096 * (1 + rng() % 4), rng() % 2 ? remote : local, generation[buffer].load(),
+        const uint64_t address = base + (rng() % 4) * 4096, length = 4096 * (1 + rng() % 4);
+        auto use = shared.acquire(address, length, address, length, rng() % 2 ? remote : local, generation[buffer].load(),
                                   [&](uint64_t start, uint64_t length) -> Result<FakeMr> { return FakeMr{++serial, start, length}; });
         if (!use) {
           ++errors;

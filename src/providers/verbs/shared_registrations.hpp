@@ -22,6 +22,10 @@
 //  - Widen access: a registration is shared only with requests of exactly
 //    the same access flags (one cache per access combination), so a
 //    local-only registration never gets an rkey of a remote-write one.
+//  - Reach past the allocation: registrations are keyed by page ranges (the
+//    request rounded out to host pages, as dma-buf export needs anyway), but
+//    only where the rounded range stays inside the CUDA allocation; else the
+//    exact range.
 //
 // Plain host memory is not shared: nothing tells a free() + malloc() at the
 // same address apart, and the NIC would keep the old pages pinned under the
@@ -61,12 +65,18 @@ class SharedRegistrations {
 
   // A use of a live registration of allocation `identity` covering
   // [address, address+length) with exactly `access`, or a new one made by
-  // register_range(address, length) -> Result<Handle> (called without any
-  // lock held). `hit` (optional) says which.
+  // register_range(cover_start, cover_length) -> Result<Handle> (called
+  // without any lock held). The cover is what gets registered and cached:
+  // the request rounded out to pages where that stays inside the
+  // allocation, so that other buffers in the same pages find it too.
+  // `hit` (optional) says which.
   template <typename RegisterFn>
-  Result<Use> acquire(uint64_t address, uint64_t length, uint32_t access, uint64_t identity, RegisterFn&& register_range, bool* hit = nullptr) {
+  Result<Use> acquire(uint64_t address, uint64_t length, uint64_t cover_start, uint64_t cover_length, uint32_t access, uint64_t identity,
+                      RegisterFn&& register_range, bool* hit = nullptr) {
     if (hit) *hit = false;
     if (access >= access_combinations) return Status(Errc::invalid_argument, "shared registration: unknown access bits");
+    if (cover_start > address || cover_start + cover_length < address + length)
+      return Status(Errc::invalid_argument, "shared registration: the cover does not contain the range");
     Cache& cache = *caches_[access];
     if (auto use = cache.lookup(address, length)) {
       if (use->handle().identity == identity) {
@@ -78,9 +88,9 @@ class SharedRegistrations {
       use->reset();
       for (auto& c : caches_) c->invalidate(address, length);
     }
-    Result<Handle> made = register_range(address, length);
+    Result<Handle> made = register_range(cover_start, cover_length);
     if (!made) return made.status();
-    return cache.insert(address, length, Registration{std::move(*made), identity});
+    return cache.insert(cover_start, cover_length, Registration{std::move(*made), identity});
   }
 
   // Ends a use; the registration is deregistered if it was the last one.

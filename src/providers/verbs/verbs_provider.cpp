@@ -379,9 +379,15 @@ Result<std::unique_ptr<MemoryRegion>> VerbsPd::register_memory(void* addr, size_
     auto driver = gpu::CudaDriver::load();
     auto info = driver ? gpu::query_pointer(**driver, addr) : Result<gpu::PointerInfo>(driver.status());
     if (!info) return info.status();
+    // Keyed by page range (frameworks register neighbouring buffers of one
+    // allocation), but never reaching into another allocation.
+    const gpu::PageRange pages = gpu::page_align(address, length, gpu::host_page_size());
+    const bool inside = pages.start >= info->allocation_start && pages.start + pages.length <= info->allocation_start + info->allocation_size;
+    const uint64_t cover_start = inside ? pages.start : address, cover_length = inside ? pages.length : length;
     bool hit = false;
-    auto use = shared_.acquire(address, length, access, info->buffer_id,
-                               [&](uint64_t, uint64_t) { return register_gpu(addr, length, flags); }, &hit);
+    auto use = shared_.acquire(
+        address, length, cover_start, cover_length, access, info->buffer_id,
+        [&](uint64_t start, uint64_t bytes) { return register_gpu(reinterpret_cast<void*>(start), bytes, flags); }, &hit);
     if (!use) return use.status();
     if (hit) log().debug("verbs provider: GPU memory {:#x} +{}: shares a live registration", address, length);
     ibv_mr* mr = use->handle().handle;
