@@ -68,29 +68,33 @@ TEST(SharedRegistrations, SameAllocationAndAccessShareOneLiveRegistration) {
   auto b = f.acquire(0x100000, 1 << 20, remote, 7, &hit);  // the same buffer again
   ASSERT_TRUE(b);
   EXPECT_TRUE(hit);
-  auto c = f.acquire(0x140000, 4096, remote, 7, &hit);  // a range inside it
-  ASSERT_TRUE(c);
-  EXPECT_TRUE(hit);
   EXPECT_EQ(f.registered, 1);
   EXPECT_EQ(b->handle().handle.serial, 1);
-  EXPECT_EQ(c->handle().handle.serial, 1);
-  EXPECT_EQ(a->handle().handle.start, 0x100000u);  // registered exactly what was asked, no page rounding
+  EXPECT_EQ(a->handle().handle.start, 0x100000u);  // the cover given (here the exact range)
   EXPECT_EQ(a->handle().handle.length, 1u << 20);
+  // A smaller range inside it does not get its key: the key would reach the
+  // whole megabyte, and outlive its owner's deregistration.
+  auto c = f.acquire(0x140000, 4096, remote, 7, &hit);
+  ASSERT_TRUE(c);
+  EXPECT_FALSE(hit);
+  EXPECT_EQ(c->handle().handle.serial, 2);
+  EXPECT_EQ(c->handle().handle.length, 4096u);
 
   // Releases: the registration lives while anyone uses it, and not a moment
   // longer (its rkey would stay valid at the NIC).
   SharedRegistrations<FakeMr>::release(*a);
-  SharedRegistrations<FakeMr>::release(*c);
   EXPECT_TRUE(f.deregistered.empty());
-  EXPECT_EQ(f.shared.size(), 1u);
+  EXPECT_EQ(f.shared.size(), 2u);
   SharedRegistrations<FakeMr>::release(*b);
   EXPECT_EQ(f.deregistered, std::vector<int>({1}));
+  { auto dropped = std::move(*c); }  // destroying a use ends it too
+  EXPECT_EQ(f.deregistered, std::vector<int>({1, 2}));
   EXPECT_EQ(f.shared.size(), 0u);
 
   auto d = f.acquire(0x100000, 1 << 20, remote, 7, &hit);  // nothing cached past the last user
   ASSERT_TRUE(d);
   EXPECT_FALSE(hit);
-  EXPECT_EQ(d->handle().handle.serial, 2);
+  EXPECT_EQ(d->handle().handle.serial, 3);
   SharedRegistrations<FakeMr>::release(*d);
 }
 
@@ -127,11 +131,11 @@ TEST(SharedRegistrations, OtherAccessOrAWiderRangeGetsItsOwn) {
   EXPECT_EQ(f.registered, 4);
   EXPECT_NE(local_use->handle().handle.serial, remote_use->handle().handle.serial);
   bool hit = false;
-  auto inner_local = f.acquire(0x180000, 64, local, 7, &hit);
-  ASSERT_TRUE(inner_local);
+  auto same_local = f.acquire(0x100000, 1 << 20, local, 7, &hit);
+  ASSERT_TRUE(same_local);
   EXPECT_TRUE(hit);
-  EXPECT_EQ(inner_local->handle().handle.serial, local_use->handle().handle.serial);
-  for (auto* u : {&*remote_use, &*local_use, &*wider, &*before, &*inner_local}) SharedRegistrations<FakeMr>::release(*u);
+  EXPECT_EQ(same_local->handle().handle.serial, local_use->handle().handle.serial);
+  for (auto* u : {&*remote_use, &*local_use, &*wider, &*before, &*same_local}) SharedRegistrations<FakeMr>::release(*u);
   EXPECT_EQ(f.deregistered.size(), 4u);
 }
 

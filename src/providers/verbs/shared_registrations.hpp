@@ -21,7 +21,10 @@
 //    keep theirs) and registers anew.
 //  - Widen access: a registration is shared only with requests of exactly
 //    the same access flags (one cache per access combination), so a
-//    local-only registration never gets an rkey of a remote-write one.
+//    local-only registration never gets an rkey of a remote-write one; and
+//    only with requests of exactly the same cover, so a small region never
+//    gets the key of a larger registration around it (which would leave the
+//    larger range reachable by peers after its owner deregistered it).
 //  - Reach past the allocation: registrations are keyed by page ranges (the
 //    request rounded out to host pages, as dma-buf export needs anyway), but
 //    only where the rounded range stays inside the CUDA allocation; else the
@@ -53,7 +56,31 @@ class SharedRegistrations {
     uint64_t identity = 0;  // the allocation it describes (CUDA buffer id)
   };
   using Cache = RegistrationCache<Registration>;
-  using Use = typename Cache::Reference;  // end it with release(), not by dropping it
+
+  // A counted use of a registration; ending it (release() or destruction)
+  // deregisters the registration if it was the last use. Move-only.
+  class Use {
+   public:
+    Use() = default;
+    explicit Use(typename Cache::Reference reference) : reference_(std::move(reference)) {}
+    Use(Use&&) noexcept = default;
+    Use& operator=(Use&& o) noexcept {
+      if (this != &o) {
+        reference_.retire();
+        reference_ = std::move(o.reference_);
+      }
+      return *this;
+    }
+    ~Use() { reference_.retire(); }
+    explicit operator bool() const { return bool(reference_); }
+    const Registration& handle() const { return reference_.handle(); }
+    uint64_t start() const { return reference_.start(); }    // the registered cover
+    uint64_t length() const { return reference_.length(); }
+    void release() { reference_.retire(); }
+
+   private:
+    typename Cache::Reference reference_;
+  };
 
   static constexpr uint32_t access_combinations = 16;  // the four access bits of stellar/verbs.hpp
 
@@ -78,23 +105,26 @@ class SharedRegistrations {
     if (cover_start > address || cover_start + cover_length < address + length)
       return Status(Errc::invalid_argument, "shared registration: the cover does not contain the range");
     Cache& cache = *caches_[access];
-    if (auto use = cache.lookup(address, length)) {
-      if (use->handle().identity == identity) {
+    if (auto found = cache.lookup(cover_start, cover_length)) {
+      if (found->handle().identity != identity) {
+        // The memory was freed and allocated again: every registration of
+        // the old allocation in this range is stale, whatever its access.
+        found->reset();
+        for (auto& c : caches_) c->invalidate(cover_start, cover_length);
+      } else if (found->start() == cover_start && found->length() == cover_length) {
         if (hit) *hit = true;
-        return std::move(*use);
+        return Use(std::move(*found));
+      } else {
+        found->retire();  // a larger registration: not ours to hand out (retire: it may have been its last use)
       }
-      // The memory was freed and allocated again: every registration of the
-      // old allocation in this range is stale, whatever its access.
-      use->reset();
-      for (auto& c : caches_) c->invalidate(address, length);
     }
     Result<Handle> made = register_range(cover_start, cover_length);
     if (!made) return made.status();
-    return cache.insert(cover_start, cover_length, Registration{std::move(*made), identity});
+    return Use(cache.insert(cover_start, cover_length, Registration{std::move(*made), identity}));
   }
 
   // Ends a use; the registration is deregistered if it was the last one.
-  static void release(Use& use) { use.retire(); }
+  static void release(Use& use) { use.release(); }
 
   // Live registrations (those with at least one use), all access combinations.
   size_t size() const {

@@ -286,9 +286,10 @@ class VerbsPd final : public ProtectionDomain, public std::enable_shared_from_th
   ibv_pd* pd_;
   std::string tenant_;
   uint16_t pkey_, pkey_index_;
-  // Live GPU registrations, shared by registrations of the same allocation
-  // and access (shared_registrations.hpp). Declared after pd_: destroyed
-  // first, though every MR holds the PD and so has released its use by then.
+  // Live GPU registrations, shared by registrations of the same allocation,
+  // access and page cover (shared_registrations.hpp). Empty when the PD
+  // goes: every MR holds the PD, and the last use of a registration
+  // deregisters it.
   Shared shared_{[](ibv_mr*&& mr) {
     if (int rc = ibv_dereg_mr(mr); rc != 0) log().error("verbs provider: {}", call_failed("ibv_dereg_mr", rc));
   }};
@@ -380,7 +381,8 @@ Result<std::unique_ptr<MemoryRegion>> VerbsPd::register_memory(void* addr, size_
     auto info = driver ? gpu::query_pointer(**driver, addr) : Result<gpu::PointerInfo>(driver.status());
     if (!info) return info.status();
     // Keyed by page range (frameworks register neighbouring buffers of one
-    // allocation), but never reaching into another allocation.
+    // allocation, and dma-buf export rounds to pages anyway), but never
+    // reaching into another allocation.
     const gpu::PageRange pages = gpu::page_align(address, length, gpu::host_page_size());
     const bool inside = pages.start >= info->allocation_start && pages.start + pages.length <= info->allocation_start + info->allocation_size;
     const uint64_t cover_start = inside ? pages.start : address, cover_length = inside ? pages.length : length;
