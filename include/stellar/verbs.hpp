@@ -160,7 +160,10 @@ class CompletionQueue {
   // A file descriptor for epoll: readable after request_notify() once a
   // completion is queued (like ibv_req_notify_cq + the channel fd). Read 8
   // bytes to clear it. In inline mode, call poll() when it (or the context's
-  // progress_fd) is readable.
+  // progress_fd) is readable, and at least every millisecond while work is
+  // outstanding: the transport's timers (retransmission, delayed ACKs) and
+  // the soft provider's GPU staging copies make no descriptor readable.
+  // wait() and the engine thread handle both.
   virtual int fd() const = 0;
   virtual Status request_notify() = 0;
   virtual uint32_t capacity() const = 0;

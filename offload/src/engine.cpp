@@ -1675,6 +1675,7 @@ bool QpEngine::set_ready(uint64_t wr_id, uint32_t bytes) {
 }
 bool QpEngine::in_error() const { return s_->error; }
 uint32_t QpEngine::outstanding_sends() const { return s_->sq_count; }
+uint32_t QpEngine::outstanding_receives() const { return s_->rq_count; }
 const EngineCounters& QpEngine::counters() const { return s_->counters; }
 const EngineConfig& QpEngine::config() const { return s_->config; }
 uint64_t QpEngine::rto_ns() const { return s_->rto; }

@@ -11,6 +11,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <cstdlib>
 #include <filesystem>
 #include <numeric>
@@ -606,6 +608,139 @@ TEST(SoftProviderGpu, LargeDestinationsAreCopiedAsynchronouslyAndCompleteInOrder
     EXPECT_EQ(events(), 0) << "every held completion's event destroyed";
   }
   for (CUdeviceptr p : {landing, read_target}) EXPECT_EQ(d.api().cuMemFree(p), CUDA_SUCCESS);
+}
+
+// Another QP of the same side, in INIT (same context, PD and CQ).
+std::shared_ptr<QueuePair> another_qp(Side& s, QpCapabilities cap = {}) {
+  QpInitAttributes attributes;
+  attributes.send_cq = attributes.recv_cq = s.cq;
+  attributes.cap = cap;
+  auto qp = s.pd->create_qp(attributes).value();
+  QpModify init;
+  init.state = QpState::init;
+  EXPECT_TRUE(qp->modify(init).ok());
+  return qp;
+}
+
+// A receive says every earlier WRITE of the peer is in place, whichever QP
+// of the tenant it arrives on: a receive on QP 2 must not be reported while
+// a receive on QP 1 is still copying the dirty ranges of an earlier WRITE
+// to the device (the communicator stripes one peer over several QPs of a
+// PD: data on one, the notification on another).
+TEST(SoftProviderGpu, AReceiveOnAnyQpOfTheTenantWaitsForEarlierFlushes) {
+  ScopedEnv env("STELLAR_CUDA_LIBRARY", FAKE_LIBCUDA_PATH);
+  const CudaDriver& d = fake();
+  auto set_deferred = fake_control<void (*)(int)>("fake_cuda_set_deferred");
+  auto pending_copies = fake_control<unsigned long long (*)()>("fake_cuda_pending_copies");
+  auto events = fake_control<int (*)()>("fake_cuda_events");
+  constexpr size_t bytes = 256 * 1024;
+  CUdeviceptr region = 0;
+  ASSERT_EQ(d.api().cuMemAlloc(&region, bytes), CUDA_SUCCESS);
+  std::vector<uint8_t> pattern(bytes), zeros(bytes, 0);
+  std::iota(pattern.begin(), pattern.end(), uint8_t(1));
+  ASSERT_EQ(d.api().cuMemcpyHtoD(region, zeros.data(), bytes), CUDA_SUCCESS);
+  {
+    Side a = open_side(), b = open_side();
+    connect(a, b);
+    Side a2 = a, b2 = b;
+    a2.qp = another_qp(a);
+    b2.qp = another_qp(b);
+    connect(a2, b2);
+    auto source_mr = a.pd->register_memory(pattern.data(), bytes, access_local_write).value();
+    auto region_mr = b.pd->register_memory(reinterpret_cast<void*>(region), bytes, access_local_write | access_remote_write).value();
+    ASSERT_TRUE(b.qp->post_recv(RecvWr{1, {}}).ok());
+    ASSERT_TRUE(b2.qp->post_recv(RecvWr{2, {}}).ok());
+    Sge from{reinterpret_cast<uint64_t>(pattern.data()), uint32_t(bytes), source_mr->lkey()};
+    SendWr write;
+    write.wr_id = 10;
+    write.opcode = WrOpcode::rdma_write;
+    write.sg_list = {&from, 1};
+    write.remote_addr = region;
+    write.rkey = region_mr->rkey();
+    ASSERT_TRUE(a2.qp->post_send(write).ok());
+    EXPECT_EQ(next_completion(a, b).wr_id, 10u);  // in b's shadow, dirty
+
+    set_deferred(2);
+    SendWr note;
+    note.wr_id = 11;
+    note.opcode = WrOpcode::send_with_imm;
+    ASSERT_TRUE(a.qp->post_send(note).ok());  // QP 1: its receive flushes the dirty range, held
+    EXPECT_EQ(next_completion(a, b).wr_id, 11u);
+    EXPECT_EQ(pending_copies(), 1u);
+    note.wr_id = 12;
+    ASSERT_TRUE(a2.qp->post_send(note).ok());  // QP 2: nothing dirty left, but the flush still runs
+    EXPECT_EQ(next_completion(a, b).wr_id, 12u);
+    WorkCompletion wc{};
+    for (int i = 0; i < 1000; ++i) b.context->progress();
+    EXPECT_EQ(b.cq->poll({&wc, 1}), 0) << "a receive was reported before the peer's earlier WRITE reached the device";
+
+    set_deferred(1);
+    std::vector<uint64_t> seen;
+    for (int k = 0; k < 2; ++k) {
+      wc = next_completion(b, a);
+      EXPECT_EQ(wc.status, WcStatus::success);
+      seen.push_back(wc.wr_id);
+      EXPECT_EQ(device_bytes(d, region, bytes), pattern) << "receive " << wc.wr_id;
+    }
+    std::sort(seen.begin(), seen.end());
+    EXPECT_EQ(seen, std::vector<uint64_t>({1, 2}));
+
+    // Deregistration waits for copies still queued for the region.
+    ASSERT_TRUE(b.qp->post_recv(RecvWr{3, {}}).ok());
+    ASSERT_EQ(d.api().cuMemcpyHtoD(region, zeros.data(), bytes), CUDA_SUCCESS);
+    ASSERT_TRUE(a2.qp->post_send(write).ok());
+    EXPECT_EQ(next_completion(a, b).wr_id, 10u);
+    set_deferred(2);
+    note.wr_id = 13;
+    ASSERT_TRUE(a.qp->post_send(note).ok());
+    EXPECT_EQ(next_completion(a, b).wr_id, 13u);
+    EXPECT_EQ(pending_copies(), 1u);
+    region_mr.reset();
+    EXPECT_EQ(pending_copies(), 0u) << "deregistration waited for the queued copy";
+    EXPECT_EQ(device_bytes(d, region, bytes), pattern);
+    set_deferred(1);
+    EXPECT_EQ(next_completion(b, a).wr_id, 3u);
+    set_deferred(0);
+    EXPECT_EQ(events(), 0);
+  }
+  EXPECT_EQ(d.api().cuMemFree(region), CUDA_SUCCESS);
+}
+
+// A completion held for its GPU copy still occupies its queue: the CQ was
+// sized for max_recv_wr outstanding receives.
+TEST(SoftProviderGpu, HeldCompletionsStillCountAgainstTheQueue) {
+  ScopedEnv env("STELLAR_CUDA_LIBRARY", FAKE_LIBCUDA_PATH);
+  const CudaDriver& d = fake();
+  auto set_deferred = fake_control<void (*)(int)>("fake_cuda_set_deferred");
+  constexpr size_t bytes = 128 * 1024;
+  CUdeviceptr landing = 0;
+  ASSERT_EQ(d.api().cuMemAlloc(&landing, bytes), CUDA_SUCCESS);
+  std::vector<uint8_t> pattern(bytes, 0x5a);
+  {
+    Side a = open_side(), b = open_side();
+    QpCapabilities one;
+    one.max_recv_wr = 1;
+    b.qp = another_qp(b, one);
+    connect(a, b);
+    auto source_mr = a.pd->register_memory(pattern.data(), bytes, access_local_write).value();
+    auto landing_mr = b.pd->register_memory(reinterpret_cast<void*>(landing), bytes, access_local_write).value();
+    Sge into{landing, uint32_t(bytes), landing_mr->lkey()};
+    ASSERT_TRUE(b.qp->post_recv(RecvWr{1, {&into, 1}}).ok());
+    set_deferred(2);
+    Sge from{reinterpret_cast<uint64_t>(pattern.data()), uint32_t(bytes), source_mr->lkey()};
+    SendWr send;
+    send.wr_id = 10;
+    send.opcode = WrOpcode::send;
+    send.sg_list = {&from, 1};
+    ASSERT_TRUE(a.qp->post_send(send).ok());
+    EXPECT_EQ(next_completion(a, b).wr_id, 10u);  // the receive is done in the engine, held for its copy
+    EXPECT_EQ(b.qp->post_recv(RecvWr{2, {&into, 1}}).code(), Errc::queue_full);
+    set_deferred(1);
+    EXPECT_EQ(next_completion(b, a).wr_id, 1u);
+    EXPECT_TRUE(b.qp->post_recv(RecvWr{2, {&into, 1}}).ok());
+    set_deferred(0);
+  }
+  EXPECT_EQ(d.api().cuMemFree(landing), CUDA_SUCCESS);
 }
 
 // A QP destroyed with a completion held for its destination copy waits for

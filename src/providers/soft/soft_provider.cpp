@@ -101,6 +101,12 @@ struct GpuShadow : std::enable_shared_from_this<GpuShadow> {
     if (!scope) return scope.status();
     return driver->check(driver->api().cuMemcpyHtoDAsync(device + offset, host() + offset, length, stream), "cuMemcpyHtoDAsync (soft provider staging)");
   }
+  // Waits for every copy queued on the stream (this shadow's and others').
+  Status synchronize() {
+    auto scope = gpu::ScopedDeviceContext::enter(*driver, ordinal);
+    if (!scope) return scope.status();
+    return driver->check(driver->api().cuStreamSynchronize(stream), "cuStreamSynchronize (soft provider staging)");
+  }
   Status to_device(uint64_t offset, uint64_t length) {
     if (!length) return {};
     Status s = to_device_async(offset, length);
@@ -197,6 +203,12 @@ struct Tenant {
   std::unordered_map<uint32_t, uint32_t> lkey_to_rkey;
   std::unordered_map<uint32_t, bool> qpns;
   std::vector<GpuShadow*> dirty_gpu;  // GPU regions peers wrote since the last receive completion
+  // Shadows whose dirty ranges a held receive completion (HeldCompletion) is
+  // copying to the device, with the sequence of the latest such flush: every
+  // later receive of this tenant, on any of its QPs, waits for them too (a
+  // receive says every earlier write is in place).
+  std::unordered_map<GpuShadow*, uint64_t> flushing;
+  uint64_t flush_sequence = 0;
 
   uint32_t fresh_key() {
     for (;;) {
@@ -502,6 +514,9 @@ class SoftMr final : public MemoryRegion {
     Tenant& t = c.tenants_.at(pd_->tenant());
     if (e_.gpu) {
       (void)e_.gpu->flush();  // peers' acknowledged writes reach the device even without a later receive
+      // and so do copies a held completion queued (a flush or a landed
+      // message): after deregistration the application may free the memory.
+      (void)e_.gpu->synchronize();
       std::erase(t.dirty_gpu, e_.gpu.get());
     }
     t.by_rkey.erase(e_.rkey);
@@ -587,6 +602,8 @@ struct HeldCompletion {
   bool report = true;  // false: an unsignaled send, held only to keep the order
   std::vector<std::pair<std::shared_ptr<GpuShadow>, gpu::CUevent>> events;  // one per stream copied on
   std::vector<std::shared_ptr<GpuShadow>> keep;  // the pinned memory the copies read
+  std::vector<GpuShadow*> flushed;  // shadows whose dirty ranges these copies flush (Tenant::flushing)
+  uint64_t flush_sequence = 0;
 };
 
 class SoftQp final : public QueuePair, public off::MemoryAccess, public off::CompletionSink {
@@ -706,6 +723,9 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
       return Status(Errc::wrong_state, std::string("post_send on QP ") + std::to_string(qpn_) + " in " + to_string(current) + " (needs RTS)");
     if (wr.sg_list.size() > cap_.max_send_sge || wr.sg_list.size() > off::max_segments)
       return Status(Errc::invalid_argument, "post_send: " + std::to_string(wr.sg_list.size()) + " SGEs exceed max_send_sge");
+    // Completions held for GPU copies still count as outstanding (the CQ was sized for max_send_wr of them).
+    if (engine_ && !held_[0].empty() && engine_->outstanding_sends() + held_[0].size() >= cap_.max_send_wr)
+      return Status(Errc::queue_full, "post_send: send queue full (max_send_wr " + std::to_string(cap_.max_send_wr) + ", some completions waiting for GPU copies)");
     off::SendWork w;
     // The engine sees the slot's sequence number; deliver() maps it back.
     // Filled aside and moved into its slot only once the engine took the WR:
@@ -785,6 +805,8 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
     if (state_ == QpState::reset) return Status(Errc::wrong_state, "post_recv on QP " + std::to_string(qpn_) + " in RESET (needs INIT or later)");
     if (wr.sg_list.size() > cap_.max_recv_sge || wr.sg_list.size() > off::max_segments)
       return Status(Errc::invalid_argument, "post_recv: too many SGEs");
+    if (engine_ && !held_[1].empty() && engine_->outstanding_receives() + held_[1].size() >= cap_.max_recv_wr)
+      return Status(Errc::queue_full, "post_recv: receive queue full (max_recv_wr " + std::to_string(cap_.max_recv_wr) + ", some completions waiting for GPU copies)");
     off::ReceiveWork r;
     const uint64_t sequence = receive_sequence_ + 1;
     WrSlot& slot = pending_slot_;
@@ -852,7 +874,7 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
     WrSlot& slot = receive ? recv_slots_[c.wr_id % recv_slots_.size()] : send_slots_[c.wr_id % send_slots_.size()];
     c.wr_id = slot.wr_id;
     if (slot.staging_failed && !receive) c.status = off::CompletionStatus::local_qp_operation_error;
-    HeldCompletion held{c, slot.signaled || receive, {}, {}};
+    HeldCompletion held{c, slot.signaled || receive, {}, {}, {}, 0};
     std::vector<StagedPart> copies;  // shadow -> device, before the completion may be seen
     uint64_t bytes = 0;
     if (c.status == off::CompletionStatus::success) {
@@ -861,6 +883,7 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
         for (GpuShadow* g : tenant_->dirty_gpu) {
           for (auto [begin, end] : g->dirty) copies.push_back({g->shared_from_this(), begin, end - begin}), bytes += end - begin;
           g->dirty.clear();
+          held.flushed.push_back(g);
         }
         tenant_->dirty_gpu.clear();
       }
@@ -875,13 +898,25 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
       }
     }
     std::deque<HeldCompletion>& queue = held_[receive ? 1 : 0];
-    if (bytes >= staging_pipeline_bytes || !queue.empty()) {
+    // Receives also wait for flushes other receives of this tenant started.
+    const bool flushes_running = receive && c.status == off::CompletionStatus::success && !tenant_->flushing.empty();
+    if (bytes >= staging_pipeline_bytes || !queue.empty() || flushes_running) {
       // Large copies do not hold up the progress loop (every QP's packets
       // and timers): they are queued on the staging stream and this
       // completion waits for them, and later ones of its queue behind it.
-      if (!start_held_copies(held, copies)) held.c.status = off::CompletionStatus::local_protection_error;
+      bool ok = true;
+      for (const StagedPart& copy : copies) ok = queue_copy(held, copy) && ok;
+      if (flushes_running)
+        for (auto& [g, sequence] : tenant_->flushing) wait_on_stream(held, g->shared_from_this());
+      if (!record_events(held)) ok = false;
+      if (!ok) held.c.status = off::CompletionStatus::local_protection_error;
+      if (!held.flushed.empty()) {
+        held.flush_sequence = ++tenant_->flush_sequence;
+        for (GpuShadow* g : held.flushed) tenant_->flushing[g] = held.flush_sequence;
+      }
       queue.push_back(std::move(held));
       ++context().held_completions_;
+      if (context().options_.progress == ProgressMode::thread) context().kick();  // its wake-up may be later than 10 us
       return;
     }
     for (const StagedPart& copy : copies)
@@ -985,23 +1020,33 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
   }
 
   void report(const HeldCompletion& h) {
+    for (GpuShadow* g : h.flushed) {
+      // Done, and so is every earlier flush of g (same stream); a later one may still run.
+      auto it = tenant_->flushing.find(g);
+      if (it != tenant_->flushing.end() && it->second == h.flush_sequence) tenant_->flushing.erase(it);
+    }
     if (h.report || h.c.status != off::CompletionStatus::success) (h.c.is_receive() ? recv_cq_ : send_cq_)->push(h.c);
   }
 
-  // Queues `copies` (shadow -> device) on their shadows' streams and records
-  // one event per stream after them into `held`. False if a copy could not
-  // be queued: the completion then reports an error, once what was queued
-  // has run (its events are still recorded, or the stream waited for).
-  bool start_held_copies(HeldCompletion& held, const std::vector<StagedPart>& copies) {
+  // Held completions: queue_copy() puts a shadow -> device copy on its
+  // shadow's stream, wait_on_stream() adds a stream to wait for without a
+  // copy, record_events() then records one event per stream after all of
+  // it. False when a copy or event could not be queued: the completion then
+  // reports an error, once what was queued has run (a stream without its
+  // event is waited for at once).
+  bool queue_copy(HeldCompletion& held, const StagedPart& copy) {
+    const bool ok = copy.shadow->to_device_async(copy.offset, copy.length).ok();
+    wait_on_stream(held, copy.shadow);
+    return ok;
+  }
+  static void wait_on_stream(HeldCompletion& held, const std::shared_ptr<GpuShadow>& shadow) {
+    held.keep.push_back(shadow);
+    const bool seen = std::any_of(held.events.begin(), held.events.end(),
+                                  [&](const auto& e) { return e.first->stream == shadow->stream; });
+    if (!seen) held.events.emplace_back(shadow, nullptr);
+  }
+  static bool record_events(HeldCompletion& held) {
     bool ok = true;
-    for (const StagedPart& copy : copies) {
-      if (!copy.shadow->to_device_async(copy.offset, copy.length).ok()) ok = false;
-      held.keep.push_back(copy.shadow);
-      const bool seen = std::any_of(held.events.begin(), held.events.end(), [&](const auto& e) {
-        return e.first->driver == copy.shadow->driver && e.first->ordinal == copy.shadow->ordinal;
-      });
-      if (!seen) held.events.emplace_back(copy.shadow, nullptr);
-    }
     for (auto& [shadow, event] : held.events) {
       const gpu::CudaApi& api = shadow->driver->api();
       auto scope = gpu::ScopedDeviceContext::enter(*shadow->driver, shadow->ordinal);

@@ -257,6 +257,7 @@ class QpEngine {
   bool in_error() const;
 
   uint32_t outstanding_sends() const;
+  uint32_t outstanding_receives() const;  // posted receives not yet completed
   const EngineCounters& counters() const;
   const EngineConfig& config() const;
   uint64_t rto_ns() const;
