@@ -267,6 +267,7 @@ struct ContextCounters {
   uint64_t rx_duplicates = 0;
   uint64_t rx_access_errors = 0;          // forged rkey, bounds, rights
   uint64_t rnr_naks_sent = 0;
+  uint64_t rx_requests_dropped_full = 0;  // READ/atomic requests with no room at the responder: the requester retries
   uint64_t fault_dropped = 0, fault_duplicated = 0, fault_reordered = 0;
   uint64_t send_errors = 0;               // datagrams the kernel refused (e.g. ENOBUFS): lost, retransmitted
   uint64_t rx_receive_calls = 0;          // recvmmsg calls that returned data

@@ -1083,14 +1083,24 @@ struct QpEngine::State {
       if (d > 0) {
         ++counters.out_of_order;
         if (h.opcode == opcode::read_request || h.opcode == opcode::compare_swap || h.opcode == opcode::fetch_add) {
-          // Reads and atomics execute in order (they must see earlier writes).
+          // Reads and atomics execute in order (they must see earlier
+          // writes). A re-request of one already waiting takes its slot (a
+          // READ: the longer of the two), not another; with every slot
+          // taken the request is dropped, and the requester asks again.
+          uint32_t free_slot = pending_capacity;
           for (uint32_t i = 0; i < pending_capacity; ++i) {
-            if (!pending_used[i]) {
-              pending[i] = h;
-              pending_used[i] = true;
-              break;
+            if (pending_used[i] && pending[i].psn == h.psn) {
+              if (h.opcode == opcode::read_request && h.dma_length > pending[i].dma_length) pending[i] = h;
+              return;
             }
+            if (!pending_used[i] && free_slot == pending_capacity) free_slot = i;
           }
+          if (free_slot == pending_capacity) {
+            ++counters.requests_dropped_full;
+            return;
+          }
+          pending[free_slot] = h;
+          pending_used[free_slot] = true;
           return;
         }
       }
@@ -1184,7 +1194,10 @@ struct QpEngine::State {
         nak(h.psn, syndrome::nak_remote_access);
         return Outcome::nak;
       }
-      if (reads_count == reads.size()) return Outcome::dropped;  // the requester retries
+      if (reads_count == reads.size()) {
+        ++counters.requests_dropped_full;
+        return Outcome::dropped;  // the requester retries
+      }
       reads[(reads_head + reads_count) % reads.size()] = ReadResponse{h.psn, h.remote_addr, h.rkey, length, packets, 0};
       ++reads_count;
       consumed = packets;
@@ -1369,11 +1382,13 @@ struct QpEngine::State {
   void replay_duplicate(const Header& h, uint64_t now) {
     if (h.opcode == opcode::read_request) {
       // Reads are idempotent: serve the (possibly partial) range again.
-      uint32_t consumed = 0;
       const uint32_t length = h.dma_length;
       const uint32_t packets = std::max<uint32_t>(1, uint32_t((uint64_t(length) + config.mtu - 1) / config.mtu));
-      (void)consumed;
-      if (packets > config.window_packets / 2 || reads_count == reads.size()) return;
+      if (packets > config.window_packets / 2) return;
+      if (reads_count == reads.size()) {
+        ++counters.requests_dropped_full;
+        return;
+      }
       if (length && !memory.resolve(h.rkey, h.remote_addr, length, access_remote_read)) {
         ++counters.access_errors;
         nak(h.psn, syndrome::nak_remote_access);

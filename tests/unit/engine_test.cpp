@@ -662,6 +662,45 @@ TEST_P(EngineModes, LostReadResponsesAreAskedForAgainInRuns) {
   EXPECT_LE(p.a->counters().retransmitted_packets, 12u) << "one request per run of lost responses";
 }
 
+// Stellar mode: READ requests that arrive ahead of a gap wait, in PSN order,
+// in 16 slots. A re-request of a waiting READ keeps its slot (the longer of
+// the two) instead of taking another; with every slot taken a request is
+// dropped and counted, and served when it comes again after the gap filled.
+TEST(EngineResponder, ReadsAheadOfAGapWaitInBoundedSlots) {
+  Pair p(Mode::stellar, {}, 7);
+  auto remote = pattern(32 * 4096, 4);
+  const uint32_t rkey = p.memory_b.add(remote.data(), remote.size(), access_remote_read);
+  const uint32_t first = 0xfffffff0;  // the PSN b expects next (Pair)
+  int responses = 0;
+  p.b_to_a.filter = [&](const uint8_t* d, size_t n) {
+    Header h;
+    if (decode(Mode::stellar, d, n, IcrcAddresses{}, h) == DecodeError::none && opcode_is_read_response(h.opcode)) ++responses;
+    return true;  // counted only: a takes no part
+  };
+  auto request = [&](uint32_t packet, uint32_t packets) {
+    Header h;
+    h.opcode = opcode::read_request;
+    h.dest_qpn = 0x22;
+    h.psn = first + packet;
+    h.remote_addr = reinterpret_cast<uint64_t>(remote.data()) + uint64_t(packet) * 4096;
+    h.rkey = rkey;
+    h.dma_length = packets * 4096;
+    p.b->receive_decoded(h, p.now);
+  };
+  for (uint32_t i = 1; i <= 20; ++i) request(i, 1);  // PSN `first` is the gap
+  request(3, 1);                                      // a re-request of a waiting one
+  EXPECT_EQ(p.b->counters().requests_dropped_full, 4u) << "17..20 found no slot; the re-request took none";
+  p.pump(*p.b, p.b_to_a);
+  EXPECT_EQ(responses, 0) << "nothing is served ahead of the gap";
+  request(0, 1);  // the gap fills: it and the 16 waiting READs are served in order
+  p.pump(*p.b, p.b_to_a);
+  EXPECT_EQ(responses, 17);
+  for (uint32_t i = 17; i <= 20; ++i) request(i, 1);  // asked for again by the requester
+  p.pump(*p.b, p.b_to_a);
+  EXPECT_EQ(responses, 21);
+  EXPECT_EQ(p.b->counters().requests_dropped_full, 4u);
+}
+
 TEST_P(EngineModes, ReadLargerThanHalfTheWindowOnAPacedLinkNeedsNoRetransmission) {
   // 12 MiB is 3072 packets; a 4096-PSN window used to refuse READs over 2048
   // (a 64 MiB READ with the default 16384 failed so on the GPU host). Pieces

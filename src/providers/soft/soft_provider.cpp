@@ -56,6 +56,7 @@ void accumulate(off::EngineCounters& sum, const off::EngineCounters& e) {
   sum.tail_probes += e.tail_probes;
   sum.out_of_window += e.out_of_window, sum.access_errors += e.access_errors, sum.decode_errors += e.decode_errors;
   sum.rnr_naks_sent += e.rnr_naks_sent, sum.unexpected_packets += e.unexpected_packets;
+  sum.requests_dropped_full += e.requests_dropped_full;
 }
 
 // GPU memory registered on the soft provider. The engine works with the CPU,
@@ -1458,6 +1459,7 @@ ContextCounters SoftContext::counters() const {
   c.rx_duplicates = sum.duplicates;
   c.rx_access_errors = sum.access_errors;
   c.rnr_naks_sent = sum.rnr_naks_sent;
+  c.rx_requests_dropped_full = sum.requests_dropped_full;
   c.fault_dropped = fault_dropped_;
   c.fault_duplicated = fault_duplicated_;
   c.fault_reordered = fault_reordered_;

@@ -195,6 +195,10 @@ struct EngineCounters {
   uint64_t invalid_requests = 0;    // malformed but well-checksummed requests: NAK
   uint64_t decode_errors = 0;       // truncated, bad opcode, bad checksum: dropped
   uint64_t unexpected_packets = 0;  // responses/acks that match nothing outstanding: dropped
+  // READ/atomic requests the responder had no room for (all 16 slots for
+  // requests ahead of a gap taken, or its READ response queue full):
+  // dropped, asked for again by the requester after its timeout.
+  uint64_t requests_dropped_full = 0;
   uint64_t completions = 0;
 };
 
