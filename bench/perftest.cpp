@@ -52,7 +52,7 @@ const char* op_name() {
 }
 
 struct Options {
-  std::string server, mode = "stellar", provider = "soft", bind = "127.0.0.1", out_json;
+  std::string server, mode = "stellar", provider = "soft", bind = "127.0.0.1", out_json, cm = "tcp";
   uint16_t port = 18515;
   uint16_t udp_port = 0;  // 0: the provider picks (roce mode tries 4791); a fixed one pins the ECMP path on a testbed
   uint64_t size = bandwidth_test ? 65536 : 2;
@@ -91,6 +91,7 @@ struct Side {
   std::vector<std::shared_ptr<QueuePair>> qps;
   std::vector<uint8_t> local, landing;  // local: what we send/read into; landing: what the peer writes
   std::unique_ptr<MemoryRegion> local_mr, landing_mr;
+  std::vector<std::shared_ptr<void>> connections;  // rdma_cm: each connection's id, kept while the QPs run
   Remote remote{};
   bool peer_done = false;  // the end-of-run marker arrived (possibly while draining other work)
   std::vector<WorkCompletion> wc = std::vector<WorkCompletion>(64);
@@ -163,7 +164,7 @@ void setup(Side& side) {
   qa.cap.max_recv_wr = 1024;
   std::unique_ptr<cm::Listener> listener;
   if (o.server.empty()) {
-    listener = check(cm::Listener::listen(o.bind, o.port), "listen");
+    listener = check(cm::Listener::listen(o.bind, o.port, *cm::method_from_string(o.cm)), "listen");
     std::printf("# %s %s server on %s:%u, waiting for %u connection(s)\n", op_name(), bandwidth_test ? "BW" : "latency",
                 o.bind.c_str(), listener->port(), o.qps);
     std::fflush(stdout);
@@ -180,11 +181,15 @@ void setup(Side& side) {
       auto request = check(listener->get_request(std::chrono::minutes(5)), "wait for client");
       theirs = request->private_data();
       check(request->accept(*qp, blob), "accept");
+      side.connections.push_back(std::shared_ptr<cm::ConnectionRequest>(std::move(request)));
     } else {
       cm::ConnectOptions c;
       c.private_data = blob;
       c.timeout = std::chrono::seconds(30);
-      theirs = check(cm::connect(o.server, o.port, *qp, c), "connect").private_data;
+      c.method = *cm::method_from_string(o.cm);
+      auto connected = check(cm::connect(o.server, o.port, *qp, c), "connect");
+      theirs = connected.private_data;
+      side.connections.push_back(connected.connection);
     }
     if (theirs.size() != sizeof(Remote)) fail("handshake", Status(Errc::protocol_error, "peer sent no buffer description"));
     std::memcpy(&side.remote, theirs.data(), sizeof(Remote));
@@ -408,6 +413,9 @@ int main(int argc, char** argv) {
   app.add_option("--provider", o.provider)->check(CLI::IsMember({"soft", "verbs"}))->capture_default_str();
   app.add_option("--mode", o.mode)->check(CLI::IsMember({"stellar", "roce"}))->capture_default_str();
   app.add_option("--bind", o.bind, "Local IPv4 address")->capture_default_str();
+  app.add_option("--cm", o.cm, "Connection method: tcp (every provider) or rdma_cm (librdmacm; verbs provider)")
+      ->check(CLI::IsMember({"tcp", "rdma_cm"}))
+      ->capture_default_str();
   app.add_option("--udp_port", o.udp_port, "Local UDP port of the soft provider (0: any; roce mode tries 4791)")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   if (op == Op::atomic) o.size = 8;

@@ -36,6 +36,7 @@ struct Options {
   std::string mode = "stellar";
   std::string provider = "soft";
   std::string bind = "127.0.0.1";
+  std::string cm = "tcp";  // connection method
   uint32_t mtu = 4096;
   bool adaptive = false;
 };
@@ -75,6 +76,9 @@ int main(int argc, char** argv) {
   app.add_option("--mode", o.mode, "Soft provider wire mode")->check(CLI::IsMember({"stellar", "roce"}))->capture_default_str();
   app.add_option("--provider", o.provider, "Provider")->check(CLI::IsMember({"soft", "verbs"}))->capture_default_str();
   app.add_option("--bind", o.bind, "Local IPv4 address for data and connection manager")->capture_default_str();
+  app.add_option("--cm", o.cm, "Connection method: tcp (every provider) or rdma_cm (librdmacm; verbs provider)")
+      ->check(CLI::IsMember({"tcp", "rdma_cm"}))
+      ->capture_default_str();
   app.add_option("--mtu", o.mtu, "Payload bytes per packet")->capture_default_str();
   app.add_flag("--adaptive", o.adaptive, "Spin then sleep instead of pure busy-polling");
   CLI11_PARSE(app, argc, argv);
@@ -106,19 +110,24 @@ int main(int argc, char** argv) {
   std::vector<uint8_t> mine(sizeof local);
   std::memcpy(mine.data(), &local, sizeof local);
   std::vector<uint8_t> theirs;
+  std::shared_ptr<void> connection;  // rdma_cm: keeps the connection's id until the end
   if (is_server) {
-    auto listener = check(cm::Listener::listen(o.bind, o.port), "listen");
+    auto listener = check(cm::Listener::listen(o.bind, o.port, *cm::method_from_string(o.cm)), "listen");
     std::printf("# stellar_pingpong server: waiting on %s:%u (%s mode, %s provider)\n", o.bind.c_str(), listener->port(), o.mode.c_str(),
                 o.provider.c_str());
     std::fflush(stdout);
     auto request = check(listener->get_request(std::chrono::minutes(5)), "wait for client");
     theirs = request->private_data();
     check(request->accept(*qp, mine), "accept");
+    connection = std::shared_ptr<cm::ConnectionRequest>(std::move(request));  // rdma_cm: the connection lives with it
   } else {
     cm::ConnectOptions c;
     c.private_data = mine;
     c.timeout = std::chrono::seconds(20);
-    theirs = check(cm::connect(o.server, o.port, *qp, c), "connect").private_data;
+    c.method = *cm::method_from_string(o.cm);
+    auto connected = check(cm::connect(o.server, o.port, *qp, c), "connect");
+    theirs = connected.private_data;
+    connection = connected.connection;
   }
   if (theirs.size() != sizeof remote) fail("handshake", Status(Errc::protocol_error, "peer sent no buffer description"));
   std::memcpy(&remote, theirs.data(), sizeof remote);

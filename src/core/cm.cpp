@@ -7,6 +7,7 @@
 // so neither side sends before the other can receive.
 #include "core/control_channel.hpp"
 #include "core/log.hpp"
+#include "providers/verbs/rdma_cm.hpp"
 #include "stellar/cm.hpp"
 
 namespace stellar::cm {
@@ -138,13 +139,23 @@ class TcpListener final : public Listener {
 
 }  // namespace
 
-Result<std::unique_ptr<Listener>> Listener::listen(const std::string& address, uint16_t port) {
+const char* to_string(Method m) { return m == Method::rdma_cm ? "rdma_cm" : "tcp"; }
+
+std::optional<Method> method_from_string(const std::string& s) {
+  if (s == "tcp") return Method::tcp;
+  if (s == "rdma_cm" || s == "rdmacm") return Method::rdma_cm;
+  return std::nullopt;
+}
+
+Result<std::unique_ptr<Listener>> Listener::listen(const std::string& address, uint16_t port, Method method) {
+  if (method == Method::rdma_cm) return provider::verbs::rdma_cm_listen(address, port);
   auto l = std::make_unique<TcpListener>();
   if (Status s = l->open(address, port); !s.ok()) return s;
   return std::unique_ptr<Listener>(std::move(l));
 }
 
 Result<Connected> connect(const std::string& address, uint16_t port, QueuePair& qp, const ConnectOptions& options) {
+  if (options.method == Method::rdma_cm) return provider::verbs::rdma_cm_connect(address, port, qp, options);
   if (options.private_data.size() > max_private_data) return Status(Errc::invalid_argument, "private data above 4096 bytes");
   const auto deadline = Clock::now() + options.timeout;
   asio::io_context io;
@@ -166,7 +177,7 @@ Result<Connected> connect(const std::string& address, uint16_t port, QueuePair& 
   if (Status s = to_rts(qp, *remote, options.timing); !s.ok()) return s;
   if (Status s = channel.write_line(json{{"type", "ready"}}, deadline); !s.ok()) return s;
   log().info("cm: connected QP {} to {}:{} QP {}", qp.qp_num(), remote->address, remote->udp_port, remote->qp_num);
-  return Connected{*remote, std::move(*data)};
+  return Connected{*remote, std::move(*data), nullptr};
 }
 
 }  // namespace stellar::cm

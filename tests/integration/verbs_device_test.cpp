@@ -30,10 +30,13 @@ struct Pair {
   std::shared_ptr<QueuePair> a, b;
   std::vector<uint8_t> mem_a = std::vector<uint8_t>(1 << 20), mem_b = std::vector<uint8_t>(1 << 20);
   std::unique_ptr<MemoryRegion> mr_a, mr_b;
+  // rdma_cm: the connection lives as long as these do.
+  std::unique_ptr<cm::ConnectionRequest> request;
+  cm::Connected connected;
 };
 
 // Opens the verbs provider and connects two QPs, or says why it cannot.
-Status make_pair(Pair& p) {
+Status make_pair(Pair& p, cm::Method method = cm::Method::tcp) {
   ContextOptions o;
   o.provider = Provider::verbs;
   if (const char* d = std::getenv("STELLAR_VERBS_DEVICE")) o.device = d;
@@ -52,16 +55,27 @@ Status make_pair(Pair& p) {
   qa.send_cq = qa.recv_cq = p.cq_b;
   p.b = p.pd->create_qp(qa).value();
   const std::string address = p.ctx->local_address();
-  auto listener = cm::Listener::listen(address, 0);
+  auto listener = cm::Listener::listen(address, 0, method);
   if (!listener) return listener.status();
   Status accepted;
+  const std::vector<uint8_t> hello = {'h', 'i'}, welcome = {'o', 'k', '!'};
   std::thread server([&] {
     auto request = (*listener)->get_request(10s);
-    accepted = request ? (*request)->accept(*p.b) : request.status();
+    if (!request) {
+      accepted = request.status();
+      return;
+    }
+    p.request = std::move(*request);
+    accepted = p.request->private_data() == hello ? p.request->accept(*p.b, welcome) : Status(Errc::protocol_error, "private data lost");
   });
-  auto connected = cm::connect(address, (*listener)->port(), *p.a);
+  cm::ConnectOptions options;
+  options.method = method;
+  options.private_data = hello;
+  auto connected = cm::connect(address, (*listener)->port(), *p.a, options);
   server.join();
   if (!connected) return connected.status();
+  if (connected->private_data != welcome) return Status(Errc::protocol_error, "the acceptor's private data was lost");
+  p.connected = std::move(*connected);
   return accepted;
 }
 
@@ -88,6 +102,75 @@ class VerbsDevice : public ::testing::Test {
   uint64_t remote_b(size_t offset) const { return p.mr_b->addr() + offset; }
   Pair p;
 };
+
+// The same pair connected through librdmacm (cm::Method::rdma_cm).
+class RdmaCmDevice : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    Status s = make_pair(p, cm::Method::rdma_cm);
+    if (s.code() == Errc::no_device) GTEST_SKIP() << s.message();
+    ASSERT_TRUE(s.ok()) << s.to_string();
+  }
+  Pair p;
+};
+
+TEST_F(RdmaCmDevice, ConnectsAndCarriesAWriteAndARead) {
+  EXPECT_EQ(p.a->state(), QpState::rts);
+  EXPECT_EQ(p.b->state(), QpState::rts);
+  EXPECT_TRUE(p.connected.connection) << "the rdma_cm id is kept with the connection";
+  EXPECT_EQ(p.connected.remote.qp_num, p.b->qp_num());
+  for (size_t i = 0; i < 4096; ++i) p.mem_a[i] = uint8_t(i * 13);
+  Sge s{reinterpret_cast<uint64_t>(p.mem_a.data()), 4096, p.mr_a->lkey()};
+  SendWr w;
+  w.wr_id = 1;
+  w.opcode = WrOpcode::rdma_write;
+  w.sg_list = {&s, 1};
+  w.remote_addr = p.mr_b->addr();
+  w.rkey = p.mr_b->rkey();
+  ASSERT_TRUE(p.a->post_send(w).ok());
+  auto wc = collect(*p.cq_a, 1);
+  ASSERT_EQ(wc.size(), 1u);
+  EXPECT_EQ(wc[0].status, WcStatus::success) << describe(wc[0]);
+  EXPECT_EQ(0, std::memcmp(p.mem_a.data(), p.mem_b.data(), 4096));
+  Sge back{reinterpret_cast<uint64_t>(p.mem_a.data() + 8192), 4096, p.mr_a->lkey()};
+  w.wr_id = 2;
+  w.opcode = WrOpcode::rdma_read;
+  w.sg_list = {&back, 1};
+  ASSERT_TRUE(p.a->post_send(w).ok());
+  wc = collect(*p.cq_a, 1);
+  ASSERT_EQ(wc.size(), 1u);
+  EXPECT_EQ(wc[0].status, WcStatus::success) << describe(wc[0]);
+  EXPECT_EQ(0, std::memcmp(p.mem_a.data() + 8192, p.mem_b.data(), 4096));
+}
+
+TEST(RdmaCmDeviceReject, TheReasonReachesTheConnector) {
+  ContextOptions o;
+  o.provider = Provider::verbs;
+  if (const char* d = std::getenv("STELLAR_VERBS_DEVICE")) o.device = d;
+  if (const char* a = std::getenv("STELLAR_VERBS_ADDRESS")) o.bind_address = a;
+  auto ctx = Context::open(o);
+  if (!ctx && ctx.status().code() == Errc::no_device) GTEST_SKIP() << ctx.status().message();
+  ASSERT_TRUE(ctx) << ctx.status().to_string();
+  auto pd = (*ctx)->allocate_pd().value();
+  auto cq = (*ctx)->create_cq(16).value();
+  QpInitAttributes qa;
+  qa.send_cq = qa.recv_cq = cq;
+  auto qp = pd->create_qp(qa).value();
+  auto listener = cm::Listener::listen((*ctx)->local_address(), 0, cm::Method::rdma_cm);
+  if (!listener && listener.status().code() == Errc::no_device) GTEST_SKIP() << listener.status().message();
+  ASSERT_TRUE(listener) << listener.status().to_string();
+  std::thread server([&] {
+    auto request = (*listener)->get_request(10s);
+    if (request) (void)(*request)->reject("no room for you");
+  });
+  cm::ConnectOptions options;
+  options.method = cm::Method::rdma_cm;
+  auto connected = cm::connect((*ctx)->local_address(), (*listener)->port(), *qp, options);
+  server.join();
+  ASSERT_FALSE(connected);
+  EXPECT_EQ(connected.status().code(), Errc::connection_refused);
+  EXPECT_NE(connected.status().message().find("no room for you"), std::string::npos) << connected.status().to_string();
+}
 
 TEST_F(VerbsDevice, EndpointCarriesGidAndQpsAreInRts) {
   const QpEndpoint e = p.a->local_endpoint();

@@ -31,6 +31,7 @@
 #include "core/log.hpp"
 #include "core/providers.hpp"
 #include "gpu/cuda_driver.hpp"
+#include "providers/verbs/rdma_cm.hpp"
 #include "providers/verbs/shared_registrations.hpp"
 #include "providers/verbs/translate.hpp"
 
@@ -456,6 +457,22 @@ class VerbsQp final : public QueuePair {
     return {};
   }
 
+  // cm::Method::rdma_cm (rdma_cm.cpp).
+  CmQp cm_info() const {
+    std::lock_guard lock(mutex_);
+    const VerbsContext& c = pd_->context();
+    CmQp info;
+    info.device = c.choice().device;
+    info.port = uint8_t(c.port_num());
+    info.source_address = c.local_address();  // the IPv4 the chosen GID carries, else bind_address
+    info.mtu = c.mtu();
+    info.state = current_locked();
+    info.initiator_depth = uint8_t(std::min<int>(max_rd_atomic, std::max(c.device().max_qp_init_rd_atom, 1)));
+    info.responder_resources = uint8_t(std::min<int>(max_rd_atomic, std::max(c.device().max_qp_rd_atom, 1)));
+    return info;
+  }
+  Status modify_for_cm(ibv_qp_attr attr, int mask, const QpTiming& timing, uint32_t peer_mtu);
+
   QpEndpoint local_endpoint() const override {
     const VerbsContext& c = pd_->context();
     QpEndpoint e;
@@ -591,6 +608,60 @@ Status VerbsQp::modify(const QpModify& m) {
   return bad();
 }
 
+Status VerbsQp::modify_for_cm(ibv_qp_attr attr, int mask, const QpTiming& timing, uint32_t peer_mtu) {
+  std::lock_guard lock(mutex_);
+  VerbsContext& c = pd_->context();
+  const QpState current = current_locked();
+  const std::string qp_name = "QP " + std::to_string(qp_->qp_num);
+  const VerbsTiming t = to_verbs_timing(timing);
+  QpState next;
+  const char* step;
+  switch (attr.qp_state) {
+    case IBV_QPS_INIT:
+      // RESET -> INIT, or INIT -> INIT for a QP the application moved to INIT itself.
+      if (current != QpState::reset && current != QpState::init)
+        return Status(Errc::wrong_state, qp_name + ": rdma_cm INIT from " + std::string(to_string(current)));
+      // rdma_cm takes the partition from the IPoIB interface (active) or the
+      // request (passive); a tenant's QP stays in its tenant's partition.
+      if ((mask & IBV_QP_PKEY_INDEX) && attr.pkey_index != pd_->pkey_index())
+        return Status(Errc::permission_denied, qp_name + ": rdma_cm would put the QP in partition index " + std::to_string(attr.pkey_index) +
+                                                   ", its tenant's is " + std::to_string(pd_->pkey_index()));
+      attr.qp_access_flags = to_ibv_access(access_local_write | access_remote_write | access_remote_read | access_remote_atomic);
+      mask |= IBV_QP_ACCESS_FLAGS;
+      next = QpState::init, step = "INIT";
+      break;
+    case IBV_QPS_RTR:
+      if (current != QpState::init) return Status(Errc::wrong_state, qp_name + ": rdma_cm RTR from " + std::string(to_string(current)));
+      // Both sides must use the same MTU: the smaller of the route's, this
+      // side's and the peer's (which the private data carries).
+      if (auto cap = ibv_mtu_at_most(std::min(c.mtu(), peer_mtu ? peer_mtu : c.mtu())); cap && (mask & IBV_QP_PATH_MTU) && attr.path_mtu > *cap)
+        attr.path_mtu = *cap;
+      // librdmacm's workaround for old rdma_ucm kernels, which report
+      // RoCE-only mask bits (21-23) on InfiniBand ports.
+      if (!c.ethernet()) mask &= ~0xe00000;
+      if (attr.ah_attr.is_global && c.traffic_class()) attr.ah_attr.grh.traffic_class = c.traffic_class();
+      attr.min_rnr_timer = t.min_rnr_timer;
+      mask |= IBV_QP_MIN_RNR_TIMER;
+      next = QpState::rtr, step = "RTR";
+      break;
+    case IBV_QPS_RTS:
+      if (current != QpState::rtr) return Status(Errc::wrong_state, qp_name + ": rdma_cm RTS from " + std::string(to_string(current)));
+      // The NIC's retransmission timer and retries follow QpTiming, as with the TCP method.
+      attr.timeout = t.timeout;
+      attr.retry_cnt = t.retry_cnt;
+      attr.rnr_retry = t.rnr_retry;
+      mask |= IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY;
+      next = QpState::rts, step = "RTS";
+      break;
+    default:
+      return Status(Errc::invalid_argument, qp_name + ": rdma_cm asked for an unexpected QP state");
+  }
+  if (int rc = ibv_modify_qp(qp_, &attr, mask); rc != 0)
+    return Status(errc_of(rc), qp_name + ": " + call_failed(std::string("ibv_modify_qp(") + step + ", rdma_cm attributes)", rc));
+  set_state(next);
+  return {};
+}
+
 Result<std::shared_ptr<QueuePair>> VerbsPd::create_qp(const QpInitAttributes& attr) {
   if (!attr.send_cq || !attr.recv_cq) return Status(Errc::invalid_argument, "create_qp: send_cq and recv_cq are required");
   auto send_cq = std::dynamic_pointer_cast<VerbsCq>(attr.send_cq);
@@ -669,6 +740,22 @@ ContextCounters VerbsContext::counters() const {
 }
 
 }  // namespace
+
+namespace verbs {
+
+std::optional<CmQp> cm_qp(QueuePair& qp) {
+  auto* v = dynamic_cast<VerbsQp*>(&qp);
+  if (!v) return std::nullopt;
+  return v->cm_info();
+}
+
+Status cm_modify(QueuePair& qp, ibv_qp_attr attr, int mask, const QpTiming& timing, uint32_t peer_mtu) {
+  auto* v = dynamic_cast<VerbsQp*>(&qp);
+  if (!v) return Status(Errc::invalid_argument, "rdma_cm: not a verbs-provider QP");
+  return v->modify_for_cm(attr, mask, timing, peer_mtu);
+}
+
+}  // namespace verbs
 
 Result<std::shared_ptr<Context>> open_verbs(const ContextOptions& options) {
   int count = 0;
