@@ -35,13 +35,37 @@ struct Pair {
   cm::Connected connected;
 };
 
-// Opens the verbs provider and connects two QPs, or says why it cannot.
-Status make_pair(Pair& p, cm::Method method = cm::Method::tcp) {
+ContextOptions verbs_options() {
   ContextOptions o;
   o.provider = Provider::verbs;
   if (const char* d = std::getenv("STELLAR_VERBS_DEVICE")) o.device = d;
   if (const char* a = std::getenv("STELLAR_VERBS_ADDRESS")) o.bind_address = a;
-  auto ctx = Context::open(o);
+  return o;
+}
+
+// One QP on the verbs provider, in RESET; nullopt (the test skips) without a device.
+struct LoneQp {
+  std::shared_ptr<Context> ctx;
+  std::shared_ptr<ProtectionDomain> pd;
+  std::shared_ptr<CompletionQueue> cq;
+  std::shared_ptr<QueuePair> qp;
+};
+Result<LoneQp> lone_qp() {
+  auto ctx = Context::open(verbs_options());
+  if (!ctx) return ctx.status();
+  LoneQp l;
+  l.ctx = *ctx;
+  l.pd = l.ctx->allocate_pd().value();
+  l.cq = l.ctx->create_cq(16).value();
+  QpInitAttributes qa;
+  qa.send_cq = qa.recv_cq = l.cq;
+  l.qp = l.pd->create_qp(qa).value();
+  return l;
+}
+
+// Opens the verbs provider and connects two QPs, or says why it cannot.
+Status make_pair(Pair& p, cm::Method method = cm::Method::tcp) {
+  auto ctx = Context::open(verbs_options());
   if (!ctx) return ctx.status();
   p.ctx = *ctx;
   p.pd = p.ctx->allocate_pd().value();
@@ -144,19 +168,12 @@ TEST_F(RdmaCmDevice, ConnectsAndCarriesAWriteAndARead) {
 }
 
 TEST(RdmaCmDeviceReject, TheReasonReachesTheConnector) {
-  ContextOptions o;
-  o.provider = Provider::verbs;
-  if (const char* d = std::getenv("STELLAR_VERBS_DEVICE")) o.device = d;
-  if (const char* a = std::getenv("STELLAR_VERBS_ADDRESS")) o.bind_address = a;
-  auto ctx = Context::open(o);
-  if (!ctx && ctx.status().code() == Errc::no_device) GTEST_SKIP() << ctx.status().message();
-  ASSERT_TRUE(ctx) << ctx.status().to_string();
-  auto pd = (*ctx)->allocate_pd().value();
-  auto cq = (*ctx)->create_cq(16).value();
-  QpInitAttributes qa;
-  qa.send_cq = qa.recv_cq = cq;
-  auto qp = pd->create_qp(qa).value();
-  auto listener = cm::Listener::listen((*ctx)->local_address(), 0, cm::Method::rdma_cm);
+  auto lone = lone_qp();
+  if (!lone && lone.status().code() == Errc::no_device) GTEST_SKIP() << lone.status().message();
+  ASSERT_TRUE(lone) << lone.status().to_string();
+  auto& ctx = lone->ctx;
+  auto& qp = lone->qp;
+  auto listener = cm::Listener::listen(ctx->local_address(), 0, cm::Method::rdma_cm);
   if (!listener && listener.status().code() == Errc::no_device) GTEST_SKIP() << listener.status().message();
   ASSERT_TRUE(listener) << listener.status().to_string();
   std::thread server([&] {
@@ -165,7 +182,7 @@ TEST(RdmaCmDeviceReject, TheReasonReachesTheConnector) {
   });
   cm::ConnectOptions options;
   options.method = cm::Method::rdma_cm;
-  auto connected = cm::connect((*ctx)->local_address(), (*listener)->port(), *qp, options);
+  auto connected = cm::connect(ctx->local_address(), (*listener)->port(), *qp, options);
   server.join();
   ASSERT_FALSE(connected);
   EXPECT_EQ(connected.status().code(), Errc::connection_refused);
@@ -319,16 +336,10 @@ TEST_F(VerbsDevice, NotificationFdAndWait) {
 }
 
 TEST(VerbsDeviceMisuse, SoftEndpointIsRefused) {
-  ContextOptions o;
-  o.provider = Provider::verbs;
-  auto ctx = Context::open(o);
-  if (!ctx && ctx.status().code() == Errc::no_device) GTEST_SKIP() << ctx.status().message();
-  ASSERT_TRUE(ctx) << ctx.status().to_string();
-  auto pd = (*ctx)->allocate_pd().value();
-  auto cq = (*ctx)->create_cq(16).value();
-  QpInitAttributes qa;
-  qa.send_cq = qa.recv_cq = cq;
-  auto qp = pd->create_qp(qa).value();
+  auto lone = lone_qp();
+  if (!lone && lone.status().code() == Errc::no_device) GTEST_SKIP() << lone.status().message();
+  ASSERT_TRUE(lone) << lone.status().to_string();
+  auto& qp = lone->qp;
   QpModify m;
   m.state = QpState::init;
   ASSERT_TRUE(qp->modify(m).ok());
