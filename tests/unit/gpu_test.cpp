@@ -865,14 +865,32 @@ TEST(SoftProviderGpu, ReRegistrationReusesTheShadowAndFreedMemoryGetsANewOne) {
   EXPECT_EQ(read_back(*mr3, buffer + 4096, 8192), std::vector<uint8_t>(first.begin() + 4096, first.begin() + 4096 + 8192));
   mr2.reset();
   mr3.reset();
+  // Shadows are keyed by page range: two small buffers in one page of an
+  // allocation share a shadow; a buffer in the next page gets its own.
+  CUdeviceptr pool = 0;
+  ASSERT_EQ(d.api().cuMemAlloc(&pool, 8 * 4096), CUDA_SUCCESS);
+  ASSERT_EQ(d.api().cuMemcpyHtoD(pool, first.data(), 8 * 4096), CUDA_SUCCESS);
+  {
+    const int pinned_pages = pinned();
+    auto small1 = b.pd->register_memory(reinterpret_cast<void*>(pool + 3 * 4096 + 16), 100, access_local_write | access_remote_read).value();
+    auto small2 = b.pd->register_memory(reinterpret_cast<void*>(pool + 3 * 4096 + 2048), 512, access_local_write | access_remote_read).value();
+    EXPECT_EQ(pinned(), pinned_pages + 1) << "one shadow for the page both buffers lie in";
+    auto small3 = b.pd->register_memory(reinterpret_cast<void*>(pool + 5 * 4096 + 16), 100, access_local_write | access_remote_read).value();
+    EXPECT_EQ(pinned(), pinned_pages + 2);
+    EXPECT_EQ(read_back(*small2, pool + 3 * 4096 + 2048, 512),
+              std::vector<uint8_t>(first.begin() + 3 * 4096 + 2048, first.begin() + 3 * 4096 + 2048 + 512));
+    EXPECT_EQ(read_back(*small1, pool + 3 * 4096 + 16, 100), std::vector<uint8_t>(first.begin() + 3 * 4096 + 16, first.begin() + 3 * 4096 + 116));
+  }
+  ASSERT_EQ(d.api().cuMemFree(pool), CUDA_SUCCESS);
   // Free and allocate again: the fake hands out the same address with a new buffer id.
   ASSERT_EQ(d.api().cuMemFree(buffer), CUDA_SUCCESS);
   CUdeviceptr again = 0;
   ASSERT_EQ(d.api().cuMemAlloc(&again, bytes), CUDA_SUCCESS);
   ASSERT_EQ(again, buffer) << "the test needs the address reused";
   ASSERT_EQ(d.api().cuMemcpyHtoD(again, second.data(), bytes), CUDA_SUCCESS);
+  const int pinned_before_again = pinned();
   auto mr4 = b.pd->register_memory(reinterpret_cast<void*>(again), bytes, access_local_write | access_remote_read).value();
-  EXPECT_EQ(pinned(), pinned_before + 2) << "a new allocation gets a new shadow";
+  EXPECT_EQ(pinned(), pinned_before_again + 1) << "a new allocation gets a new shadow";
   EXPECT_EQ(read_back(*mr4, again, bytes), second);
   mr4.reset();
   EXPECT_EQ(d.api().cuMemFree(again), CUDA_SUCCESS);

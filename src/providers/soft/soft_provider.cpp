@@ -551,21 +551,27 @@ Result<std::unique_ptr<MemoryRegion>> SoftPd::register_memory(void* addr, size_t
     auto info = gpu::query_pointer(**driver, addr);
     if (!info) return info.status();
     ShadowCache& cache = context_->shadow_cache_;
+    // Shadows are keyed by page range: a registration's shadow covers its
+    // pages (where they stay inside the CUDA allocation), so another buffer
+    // in the same pages shares it. Pinned memory is allocated in pages anyway.
+    const gpu::PageRange pages = gpu::page_align(e.addr, length, gpu::host_page_size());
+    const bool inside = pages.start >= info->allocation_start && pages.start + pages.length <= info->allocation_start + info->allocation_size;
+    const uint64_t cover_start = inside ? pages.start : e.addr, cover_length = inside ? pages.length : length;
     std::optional<ShadowCache::Reference> use = cache.lookup(e.addr, length);
     if (use && (use->handle()->buffer_id != info->buffer_id || use->handle()->driver != *driver)) {
       use.reset();  // that memory was freed and allocated again: its shadow is stale
-      cache.invalidate(e.addr, length);
+      cache.invalidate(cover_start, cover_length);
     }
     if (!use) {
       auto shadow = std::make_shared<GpuShadow>();
       shadow->driver = *driver;
-      shadow->device = e.addr;
+      shadow->device = cover_start;
       shadow->ordinal = info->device_ordinal;
       shadow->buffer_id = info->buffer_id;
       {
         auto scope = gpu::ScopedDeviceContext::enter(**driver, info->device_ordinal);
         if (!scope) return scope.status();
-        auto pinned = gpu::PinnedBuffer::allocate(**driver, length);
+        auto pinned = gpu::PinnedBuffer::allocate(**driver, cover_length);
         if (!pinned) return pinned.status();
         shadow->pinned = std::move(*pinned);
         std::lock_guard lock(context_->mutex_);
@@ -576,9 +582,9 @@ Result<std::unique_ptr<MemoryRegion>> SoftPd::register_memory(void* addr, size_t
       // No copy now: every path that reads the shadow fills it first (a
       // source at post, a remote READ when it arrives), and every path that
       // writes it copies what it wrote to the device.
-      if (*context_->shadow_cache_bytes_ + length > shadow_cache_bytes) cache.flush();  // drop unused shadows
-      *context_->shadow_cache_bytes_ += length;
-      use = cache.insert(e.addr, length, std::move(shadow));
+      if (*context_->shadow_cache_bytes_ + cover_length > shadow_cache_bytes) cache.flush();  // drop unused shadows
+      *context_->shadow_cache_bytes_ += cover_length;
+      use = cache.insert(cover_start, cover_length, std::move(shadow));
     }
     e.gpu = use->handle();
     e.shadow_offset = e.addr - e.gpu->device;
