@@ -184,6 +184,12 @@ PageRange page_align(uint64_t address, uint64_t length, uint64_t page) {
   return {start, end - start};
 }
 
+PageRange page_cover_within(uint64_t address, uint64_t length, uint64_t allocation_start, uint64_t allocation_size, uint64_t page) {
+  const PageRange pages = page_align(address, length, page);
+  if (pages.start >= allocation_start && pages.start + pages.length <= allocation_start + allocation_size) return pages;
+  return {address, length};
+}
+
 DmaBuf& DmaBuf::operator=(DmaBuf&& o) noexcept {
   if (this != &o) {
     if (fd_ >= 0) ::close(fd_);

@@ -190,6 +190,11 @@ struct PageRange {
   uint64_t start = 0, length = 0;
 };
 PageRange page_align(uint64_t address, uint64_t length, uint64_t page);
+// What a registration cache keys a device range by: its pages when they lie
+// inside the allocation [allocation_start, +allocation_size), so that other
+// buffers in the same pages find the entry; else the range itself (pages
+// past the allocation may belong to another one).
+PageRange page_cover_within(uint64_t address, uint64_t length, uint64_t allocation_start, uint64_t allocation_size, uint64_t page);
 uint64_t host_page_size();
 
 // ---- staging for the soft provider: pinned host memory ----

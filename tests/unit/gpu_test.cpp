@@ -209,6 +209,19 @@ TEST(CudaDriver, PageAlign) {
   EXPECT_EQ(page_align(4097, 1, 4096).length, 4096u);
   EXPECT_EQ(page_align(4095, 2, 4096).start, 0u);
   EXPECT_EQ(page_align(4095, 2, 4096).length, 8192u);
+  // Registration caches key a device range by its pages inside its allocation, else by itself.
+  const auto inside = page_cover_within(0x10040, 100, 0x10000, 0x8000, 4096);
+  EXPECT_EQ(inside.start, 0x10000u);
+  EXPECT_EQ(inside.length, 4096u);
+  const auto spanning = page_cover_within(0x10ff0, 0x20, 0x10000, 0x8000, 4096);
+  EXPECT_EQ(spanning.start, 0x10000u);
+  EXPECT_EQ(spanning.length, 8192u);
+  const auto ragged_end = page_cover_within(0x10040, 100, 0x10010, 0x200, 4096);  // a small allocation inside a page
+  EXPECT_EQ(ragged_end.start, 0x10040u) << "the page would reach past the allocation: the range itself";
+  EXPECT_EQ(ragged_end.length, 100u);
+  const auto last_page = page_cover_within(0x17f00, 0x80, 0x10000, 0x7f80, 4096);  // allocation ends inside its last page
+  EXPECT_EQ(last_page.start, 0x17f00u);
+  EXPECT_EQ(last_page.length, 0x80u);
 }
 
 // ---- with a real GPU ----

@@ -554,9 +554,8 @@ Result<std::unique_ptr<MemoryRegion>> SoftPd::register_memory(void* addr, size_t
     // Shadows are keyed by page range: a registration's shadow covers its
     // pages (where they stay inside the CUDA allocation), so another buffer
     // in the same pages shares it. Pinned memory is allocated in pages anyway.
-    const gpu::PageRange pages = gpu::page_align(e.addr, length, gpu::host_page_size());
-    const bool inside = pages.start >= info->allocation_start && pages.start + pages.length <= info->allocation_start + info->allocation_size;
-    const uint64_t cover_start = inside ? pages.start : e.addr, cover_length = inside ? pages.length : length;
+    const gpu::PageRange cover = gpu::page_cover_within(e.addr, length, info->allocation_start, info->allocation_size, gpu::host_page_size());
+    const uint64_t cover_start = cover.start, cover_length = cover.length;
     std::optional<ShadowCache::Reference> use = cache.lookup(e.addr, length);
     if (use && (use->handle()->buffer_id != info->buffer_id || use->handle()->driver != *driver)) {
       use.reset();  // that memory was freed and allocated again: its shadow is stale

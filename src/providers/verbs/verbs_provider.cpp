@@ -384,12 +384,10 @@ Result<std::unique_ptr<MemoryRegion>> VerbsPd::register_memory(void* addr, size_
     // Keyed by page range (frameworks register neighbouring buffers of one
     // allocation, and dma-buf export rounds to pages anyway), but never
     // reaching into another allocation.
-    const gpu::PageRange pages = gpu::page_align(address, length, gpu::host_page_size());
-    const bool inside = pages.start >= info->allocation_start && pages.start + pages.length <= info->allocation_start + info->allocation_size;
-    const uint64_t cover_start = inside ? pages.start : address, cover_length = inside ? pages.length : length;
+    const gpu::PageRange cover = gpu::page_cover_within(address, length, info->allocation_start, info->allocation_size, gpu::host_page_size());
     bool hit = false;
     auto use = shared_.acquire(
-        address, length, cover_start, cover_length, access, info->buffer_id,
+        address, length, cover.start, cover.length, access, info->buffer_id,
         [&](uint64_t start, uint64_t bytes) { return register_gpu(reinterpret_cast<void*>(start), bytes, flags); }, &hit);
     if (!use) return use.status();
     if (hit) log().debug("verbs provider: GPU memory {:#x} +{}: shares a live registration", address, length);
