@@ -55,6 +55,7 @@ TEST(Doctor, HealthyNodePassesEveryCheck) {
   EXPECT_TRUE(contains(one(r, "rdma.devices").message, "mlx5_0, mlx5_1"));
   EXPECT_EQ(verdict(r, "rdma.firmware", "mlx5_0"), Verdict::pass);
   EXPECT_EQ(verdict(r, "rdma.port", "mlx5_1/1"), Verdict::pass);
+  EXPECT_EQ(verdict(r, "rdma.cm"), Verdict::pass);
   EXPECT_EQ(verdict(r, "pcie.link", "mlx5_0 (0000:3b:00.0)"), Verdict::pass);
   EXPECT_EQ(verdict(r, "pcie.link", "mlx5_1 (0000:86:00.0)"), Verdict::pass);
   EXPECT_EQ(verdict(r, "pcie.link", "GPU 0000:3d:00.0"), Verdict::pass);
@@ -93,9 +94,12 @@ TEST(Doctor, DegradedPcieLinkFirmwareAndPort) {
 
   EXPECT_EQ(verdict(r, "rdma.port", "mlx5_0/1"), Verdict::pass);
   EXPECT_EQ(verdict(r, "rdma.port", "mlx5_1/1"), Verdict::fail);
+  const Finding cm = one(r, "rdma.cm");
+  EXPECT_EQ(cm.verdict, Verdict::warn);
+  EXPECT_TRUE(contains(cm.fix, "modprobe rdma_ucm"));
   EXPECT_TRUE(r.failed());
   EXPECT_EQ(r.count(Verdict::fail), 3);
-  EXPECT_EQ(r.count(Verdict::warn), 2);
+  EXPECT_EQ(r.count(Verdict::warn), 3);
 }
 
 TEST(Doctor, FirmwareMinimumAppliesOnlyToItsFamily) {
@@ -113,6 +117,7 @@ TEST(Doctor, NoRdmaDeviceVirtualMachine) {
   EXPECT_TRUE(contains(devices.fix, "--provider soft"));
   EXPECT_TRUE(r.find("rdma.port").empty());
   EXPECT_TRUE(r.find("rdma.firmware").empty());
+  EXPECT_TRUE(r.find("rdma.cm").empty());  // said by rdma.devices already
   EXPECT_EQ(verdict(r, "pcie.link", "eth0 (0000:00:03.0)"), Verdict::skip);  // virtio: PCI slot found through the parent
   EXPECT_EQ(verdict(r, "gpu.peer_memory"), Verdict::skip);
   EXPECT_TRUE(r.find("gpu.driver").empty());
@@ -275,7 +280,7 @@ TEST(Doctor, JsonAndTextOutput) {
   const auto doc = nlohmann::json::parse(format_json(r));
   ASSERT_EQ(doc["findings"].size(), r.findings.size());
   EXPECT_EQ(doc["summary"]["fail"], 3);
-  EXPECT_EQ(doc["summary"]["warn"], 2);
+  EXPECT_EQ(doc["summary"]["warn"], 3);
   bool saw = false;
   for (const auto& f : doc["findings"])
     if (f["check"] == "pcie.link" && f["verdict"] == "fail") saw = f["subject"] == "mlx5_0 (0000:3b:00.0)" && !f["fix"].get<std::string>().empty();
@@ -284,7 +289,7 @@ TEST(Doctor, JsonAndTextOutput) {
   const std::string text = format_text(r);
   EXPECT_EQ(std::count(text.begin(), text.end(), '\n'), static_cast<long>(r.findings.size()) + 1);
   EXPECT_TRUE(contains(text, "FAIL  pcie.link           mlx5_0 (0000:3b:00.0): degraded link"));
-  EXPECT_TRUE(contains(text, "doctor: 21 pass, 2 warn, 3 fail, 0 skip"));
+  EXPECT_TRUE(contains(text, "doctor: 21 pass, 3 warn, 3 fail, 0 skip"));
 }
 
 TEST(Doctor, EnvironmentFileParsing) {
