@@ -1089,7 +1089,7 @@ struct QpEngine::State {
           // taken the request is dropped, and the requester asks again.
           uint32_t free_slot = pending_capacity;
           for (uint32_t i = 0; i < pending_capacity; ++i) {
-            if (pending_used[i] && pending[i].psn == h.psn) {
+            if (pending_used[i] && pending[i].psn == h.psn && pending[i].opcode == h.opcode) {
               if (h.opcode == opcode::read_request && h.dma_length > pending[i].dma_length) pending[i] = h;
               return;
             }

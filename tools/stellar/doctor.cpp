@@ -185,7 +185,7 @@ class Doctor {
     // librdmacm needs the rdma_ucm module's character device (a misc device
     // named rdma_cm) for cm::Method::rdma_cm / --cm rdma_cm.
     if (path_exists(sys_ / "class/misc/rdma_cm"))
-      add("rdma.cm", "", Verdict::pass, "rdma_cm available (/dev/infiniband/rdma_cm): --cm rdma_cm works");
+      add("rdma.cm", "", Verdict::pass, "rdma_ucm loaded (rdma_cm device registered): --cm rdma_cm can work where /dev/infiniband/rdma_cm is accessible");
     else
       add("rdma.cm", "", Verdict::warn, "rdma_ucm not loaded: the rdma_cm connection method (--cm rdma_cm) is unavailable; the tcp method works",
           "modprobe rdma_ucm (rdma-core's rdma-load-modules@rdma.service loads it at boot)");

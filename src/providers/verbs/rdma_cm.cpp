@@ -239,9 +239,10 @@ class RdmaCmRequest final : public cm::ConnectionRequest {
     if (info->state != QpState::reset && info->state != QpState::init)
       return Status(Errc::wrong_state, "rdma_cm: accept needs a QP in RESET or INIT");
     answered_ = true;
+    bool moved = false;  // past the state the application left the QP in
     auto refuse = [&](Status s) {
       log().warn("cm: rejecting QP {} from {}: {}", remote_.qp_num, remote_.address, s.to_string());
-      if (cm_qp(qp) && cm_qp(qp)->state != QpState::reset) (void)qp.modify(QpModify{QpState::error});  // as librdmacm does with its own QPs
+      if (moved) (void)qp.modify(QpModify{QpState::error});  // as librdmacm does with its own QPs; untouched QPs stay usable
       const std::string reason = s.to_string().substr(0, cm::rdma_cm_max_reject_data - 1);
       (void)rdma_reject(id_->id, reason.c_str(), uint8_t(reason.size() + 1));
       return s;
@@ -253,6 +254,7 @@ class RdmaCmRequest final : public cm::ConnectionRequest {
     const uint8_t initiator_depth = std::min(info->initiator_depth, std::max<uint8_t>(peer_rd_, 1));
     if (Status s = step(id_->id, qp, IBV_QPS_INIT, timing); !s.ok()) return refuse(s);
     if (Status s = step(id_->id, qp, IBV_QPS_RTR, timing, responder_resources, peer_mtu_); !s.ok()) return refuse(s);
+    moved = true;
     if (Status s = step(id_->id, qp, IBV_QPS_RTS, timing, initiator_depth); !s.ok()) return refuse(s);
     // The MTU both use: what the requester offered, capped by this side (the requester applies it too).
     const std::vector<uint8_t> data = rdma_cm_frame(private_data, std::min(info->mtu, peer_mtu_));
@@ -432,8 +434,14 @@ Result<cm::Connected> rdma_cm_connect(const std::string& address, uint16_t port,
   }
   remote.mtu = std::min(remote.mtu, answer->mtu);
   if (Status s = step(c.id, qp, IBV_QPS_RTR, options.timing, 0, answer->mtu); !s.ok()) return s;
-  if (Status s = step(c.id, qp, IBV_QPS_RTS, options.timing); !s.ok()) return s;
-  if (rdma_establish(c.id) != 0) return Status(Errc::io_error, "rdma_cm: rdma_establish: " + errno_text(errno));
+  // Past INIT the QP points at a peer that drops its side when this fails:
+  // ERROR, as on the accepting side (until RTR it stays usable for a retry).
+  auto abandon = [&](Status s) {
+    (void)qp.modify(QpModify{QpState::error});
+    return s;
+  };
+  if (Status s = step(c.id, qp, IBV_QPS_RTS, options.timing); !s.ok()) return abandon(s);
+  if (rdma_establish(c.id) != 0) return abandon(Status(Errc::io_error, "rdma_cm: rdma_establish: " + errno_text(errno)));
   c.connected = true;
   log().info("cm: connected QP {} to {} QP {} (rdma_cm)", qp.qp_num(), peer, remote.qp_num);
   return cm::Connected{std::move(remote), std::move(answer->data), std::shared_ptr<CmId>(std::move(*id))};
