@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "coll/reduce.hpp"
+#include "coll/rendezvous.hpp"
 #include "core/control_channel.hpp"
 #include "core/log.hpp"
 #include "stellar/coll.hpp"
@@ -468,129 +469,107 @@ Status Comm::bootstrap() {
   return {};
 }
 
-// Checks a hello against the first one's job parameters.
-Status check_hello(const json& h, int world, const json& reference) {
-  try {
-    const int r = h.at("rank").get<int>();
-    if (h.at("version").get<int>() != 2) return Status(Errc::protocol_error, "rank " + std::to_string(r) + " speaks another rendezvous version");
-    if (h.at("world_size").get<int>() != world)
-      return Status(Errc::invalid_argument, "rank " + std::to_string(r) + " says the world size is " + std::to_string(h.at("world_size").get<int>()) +
-                                                ", rank 0 says " + std::to_string(world));
-    // Everything that decides which messages a call sends must agree.
-    for (const char* key : {"mode", "slots", "chunk_bytes", "allreduce_algorithm", "small_message_bytes", "qps_per_peer"})
-      if (h.at(key) != reference.at(key))
-        return Status(Errc::invalid_argument, "rank " + std::to_string(r) + " uses " + key + "=" + h.at(key).dump() + ", rank 0 uses " + reference.at(key).dump());
-    if (h.at("endpoints").size() != size_t(world) || h.at("landing").size() != size_t(world))
-      return Status(Errc::protocol_error, "rank " + std::to_string(r) + " sent a malformed endpoint table");
-  } catch (const std::exception& e) {
-    return Status(Errc::protocol_error, std::string("malformed rendezvous message: ") + e.what());
-  }
-  return {};
-}
-
 Status Comm::serve_rendezvous(const json& own, std::vector<json>& table) {
   const auto deadline = Clock::now() + options_.timeout;
-  asio::io_context io;
-  tcp::acceptor acceptor(io);
-  asio::error_code ec;
-  const tcp::endpoint endpoint(resolve(options_.master_address).value(), options_.master_port);
-  acceptor.open(endpoint.protocol(), ec);
-  if (!ec) acceptor.set_option(tcp::acceptor::reuse_address(true), ec);
-  if (!ec) acceptor.bind(endpoint, ec);
-  if (!ec) acceptor.listen(1024, ec);
-  if (ec)
-    return Status(Errc::io_error, "rank 0 cannot serve the rendezvous on " + endpoint.address().to_string() + ":" + std::to_string(options_.master_port) +
-                                      ": " + ec.message() + " (MASTER_ADDR must be an address of rank 0's host; is the port in use?)");
   table.assign(size_t(size_), json());
   table[0] = own;
-  std::vector<std::unique_ptr<Channel>> channels(static_cast<size_t>(size_));
-  int joined = 1;
+  std::vector<control::Arrival> joined(static_cast<size_t>(size_));
+  // Hellos are read from every connection at once, each within 5 s, lines
+  // capped by the world size: a stray, idle, oversized or malformed
+  // connection is refused on its own and the rendezvous keeps waiting for
+  // the real ranks until the job's timeout.
+  control::LineServer::Options server_options;
+  server_options.max_line = max_hello_bytes(size_);
+  server_options.refusal_type = "error";
+  server_options.what = "coll: rendezvous";
+  control::LineServer server(server_options, [&](const json& h) -> Status {
+    auto r = check_hello(h, size_, own);
+    if (!r) return r.status();
+    if (*r == 0 || joined[size_t(*r)].channel) return Status(Errc::invalid_argument, "rank " + std::to_string(*r) + " has already joined");
+    return {};
+  });
+  const std::string master = resolve(options_.master_address).value().to_string();
+  if (Status s = server.open(master, options_.master_port); !s.ok())
+    return Status(Errc::io_error, "rank 0 cannot serve the rendezvous on " + master + ":" + std::to_string(options_.master_port) + ": " +
+                                      s.message() + " (MASTER_ADDR must be an address of rank 0's host; is the port in use?)");
   auto broadcast_error = [&](const Status& s) {
-    for (auto& c : channels)
-      if (c) (void)c->write_line(json{{"type", "error"}, {"reason", s.to_string()}}, Clock::now() + std::chrono::seconds(1));
+    for (auto& a : joined)
+      if (a.channel) (void)a.channel->write_line(json{{"type", "error"}, {"reason", s.to_string()}}, Clock::now() + std::chrono::seconds(1));
     return s;
   };
-  while (joined < size_) {
-    auto channel = std::make_unique<Channel>(io);
-    asio::error_code accepted = asio::error::would_block;
-    acceptor.async_accept(channel->socket(), [&](asio::error_code e) { accepted = e; });
-    io.restart();
-    while (accepted == asio::error::would_block && Clock::now() < deadline) io.run_one_until(deadline);
-    if (accepted == asio::error::would_block) {
-      acceptor.cancel();
-      io.restart();
-      io.run();
-      return broadcast_error(Status(Errc::timeout, "rendezvous: only " + std::to_string(joined) + " of " + std::to_string(size_) +
-                                                       " ranks arrived within " + std::to_string(options_.timeout.count()) + " ms"));
+  int count = 1;
+  while (count < size_) {
+    auto arrival = server.next(deadline);
+    if (!arrival) {
+      std::string missing;
+      for (int r = 1; r < size_; ++r)
+        if (!joined[size_t(r)].channel) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+      std::string refused;
+      for (const std::string& why : server.refusals()) refused += "; " + why;
+      return broadcast_error(Status(Errc::timeout, "rendezvous: only " + std::to_string(count) + " of " + std::to_string(size_) + " ranks arrived within " +
+                                                       std::to_string(options_.timeout.count()) + " ms; never arrived: rank(s) " + missing +
+                                                       (server.refused() ? "; refused " + std::to_string(server.refused()) + " connection(s)" + refused : "")));
     }
-    if (accepted) return broadcast_error(Status(Errc::io_error, "rendezvous accept: " + accepted.message()));
-    auto hello = channel->read_line(std::min(deadline, Clock::now() + std::chrono::seconds(5)));
-    if (!hello || (*hello)["type"] != "hello") {
-      log().warn("coll: rendezvous ignored a connection without a hello");
+    const int r = int(arrival->first.at("rank").get<uint64_t>());  // checked by the server
+    if (joined[size_t(r)].channel) {  // two hellos for one rank were read before either was taken
+      (void)arrival->channel->write_line(json{{"type", "error"}, {"reason", "rank " + std::to_string(r) + " has already joined"}},
+                                         Clock::now() + std::chrono::seconds(1));
+      log().warn("coll: rendezvous refused {}: rank {} has already joined", arrival->peer, r);
       continue;
     }
-    Status valid = check_hello(*hello, size_, own);
-    const int r = valid.ok() ? (*hello)["rank"].get<int>() : -1;
-    if (valid.ok() && (r <= 0 || r >= size_ || channels[size_t(r)]))
-      valid = Status(Errc::invalid_argument, "rendezvous: rank " + std::to_string(r) + " joined twice or is out of range");
-    if (!valid.ok()) {
-      (void)channel->write_line(json{{"type", "error"}, {"reason", valid.to_string()}}, Clock::now() + std::chrono::seconds(1));
-      return broadcast_error(valid);
-    }
-    table[size_t(r)] = *hello;
-    channels[size_t(r)] = std::move(channel);
-    ++joined;
+    table[size_t(r)] = arrival->first;
+    joined[size_t(r)] = std::move(*arrival);
+    ++count;
   }
   json all{{"type", "table"}, {"ranks", table}};
   for (int r = 1; r < size_; ++r)
-    if (Status s = channels[size_t(r)]->write_line(all, deadline); !s.ok()) return broadcast_error(s);
+    if (Status s = joined[size_t(r)].channel->write_line(all, deadline); !s.ok()) return broadcast_error(s);
   if (Status s = connect_peers(table); !s.ok()) return broadcast_error(s);
   // Everyone's QPs are ready to receive before anyone sends.
   for (int r = 1; r < size_; ++r) {
-    auto ready = channels[size_t(r)]->read_line(deadline);
+    auto ready = joined[size_t(r)].channel->read_line(deadline);
     if (!ready) return broadcast_error(Status(ready.status().code(), "rendezvous: rank " + std::to_string(r) + " did not confirm: " + ready.status().message()));
     if ((*ready)["type"] != "ready")
-      return broadcast_error(Status(Errc::connection_refused, "rank " + std::to_string(r) + " failed to connect: " + ready->value("reason", std::string("?"))));
+      return broadcast_error(Status(Errc::connection_refused, "rank " + std::to_string(r) + " failed to connect: " + control::read_reason(*ready)));
   }
   for (int r = 1; r < size_; ++r)
-    if (Status s = channels[size_t(r)]->write_line(json{{"type", "go"}}, deadline); !s.ok()) return s;
+    if (Status s = joined[size_t(r)].channel->write_line(json{{"type", "go"}}, deadline); !s.ok()) return s;
   return {};
 }
 
 Status Comm::join_rendezvous(const json& own, std::vector<json>& table, Clock::time_point deadline) {
   asio::io_context io;
-  Channel channel(io);
+  // The table holds every rank's hello.
+  Channel channel(io, max_hello_bytes(size_) * size_t(size_) + 4096);
   const std::string master = resolve(options_.master_address).value().to_string();
   if (Status s = control::connect_with_retry(channel, master, options_.master_port, deadline); !s.ok())
     return Status(s.code(), "rank " + std::to_string(rank_) + " cannot reach the rendezvous at rank 0 (MASTER_ADDR/MASTER_PORT): " + s.message());
   if (Status s = channel.write_line(own, deadline); !s.ok()) return s;
   auto reply = channel.read_line(deadline);
   if (!reply) return Status(reply.status().code(), "rendezvous: no table from rank 0: " + reply.status().message());
-  if ((*reply)["type"] == "error") return Status(Errc::connection_refused, "rendezvous failed at rank 0: " + reply->value("reason", std::string("?")));
-  if ((*reply)["type"] != "table" || !(*reply)["ranks"].is_array() || (*reply)["ranks"].size() != size_t(size_))
-    return Status(Errc::protocol_error, "rendezvous: malformed table from rank 0");
-  table = (*reply)["ranks"].get<std::vector<json>>();
-  for (const json& h : table)
-    if (Status s = check_hello(h, size_, own); !s.ok()) return s;
+  if ((*reply)["type"] == "error") return Status(Errc::connection_refused, "rendezvous failed at rank 0: " + control::read_reason(*reply));
+  auto checked = check_table(*reply, size_, own);
+  if (!checked) return checked.status();
+  table = std::move(*checked);
   Status connected = connect_peers(table);
   json ready = connected.ok() ? json{{"type", "ready"}} : json{{"type", "failed"}, {"reason", connected.to_string()}};
   if (Status s = channel.write_line(ready, deadline); !s.ok()) return s;
   if (!connected.ok()) return connected;
   auto go = channel.read_line(deadline);
   if (!go) return Status(go.status().code(), "rendezvous: rank 0 did not start the job: " + go.status().message());
-  if ((*go)["type"] != "go") return Status(Errc::connection_refused, "rendezvous failed at rank 0: " + go->value("reason", std::string("?")));
+  if ((*go)["type"] != "go") return Status(Errc::connection_refused, "rendezvous failed at rank 0: " + control::read_reason(*go));
   return {};
 }
 
 Status Comm::connect_peers(const std::vector<json>& table) {
   for (Peer& p : peers_) {
     if (p.rank < 0) continue;
-    const json& theirs = table[size_t(p.rank)];
-    const json& towards_us = theirs["endpoints"][size_t(rank_)];
+    const json& theirs = table[size_t(p.rank)];  // checked by check_hello
+    const json& towards_us = theirs.at("endpoints").at(size_t(rank_));
     if (!towards_us.is_array() || towards_us.size() != p.qps.size())
       return Status(Errc::protocol_error, "rendezvous: rank " + std::to_string(p.rank) + " sent a malformed endpoint list");
     try {
-      p.remote_landing = theirs["landing"][size_t(rank_)]["addr"].get<uint64_t>();
+      p.remote_landing = theirs.at("landing").at(size_t(rank_)).at("addr").get<uint64_t>();
       p.remote_rkey = theirs.at("landing_rkey").get<uint32_t>();
     } catch (const std::exception& e) {
       return Status(Errc::protocol_error, std::string("rendezvous: malformed landing buffer entry: ") + e.what());

@@ -1,104 +1,112 @@
 // Control-plane plumbing shared by the connection manager (cm.cpp) and the
-// collectives' rendezvous (src/coll/): newline-delimited JSON over a TCP
-// stream (Asio) with deadline-bounded reads and writes, the JSON form of a
-// QpEndpoint, and the RESET/INIT -> RTR -> RTS walk. Internal header.
+// collectives' rendezvous (src/coll/): newline-delimited JSON over TCP
+// (Asio) with deadline-bounded reads and writes and capped line lengths, a
+// server that takes first lines from many connections at once, and the
+// RESET/INIT -> RTR -> RTS walk. The messages themselves are checked in
+// control_messages.hpp. Internal header.
 //
-// Endpoint JSON: address, udp_port, qp_num, psn, mtu, pkey, mode, and, for
-// verbs endpoints only, "gid" (sysfs form) and "lid". Soft endpoints leave
-// the two out, so their messages are byte-for-byte what they were before
-// the verbs provider; a reader treats missing ones as ""/0.
+// Everything here is built for a hostile peer: a line longer than the cap
+// fails (it is never buffered whole), every wait has a deadline, an idle or
+// slow connection delays only itself.
 #pragma once
 
 #define ASIO_STANDALONE
 #include <asio.hpp>
-#include <nlohmann/json.hpp>
 
 #include <chrono>
+#include <deque>
+#include <functional>
+#include <memory>
 #include <string>
-#include <thread>
+#include <vector>
 
+#include "core/control_messages.hpp"
 #include "stellar/verbs.hpp"
 
 namespace stellar::control {
 
 using asio::ip::tcp;
 using Clock = std::chrono::steady_clock;
-using json = nlohmann::json;
 
-inline json endpoint_json(const QpEndpoint& e) {
-  json j{{"address", e.address}, {"udp_port", e.udp_port}, {"qp_num", e.qp_num}, {"psn", e.psn},
-         {"mtu", e.mtu},         {"pkey", e.pkey},         {"mode", to_string(e.mode)}};
-  if (!e.gid.empty()) {
-    j["gid"] = e.gid;
-    j["lid"] = e.lid;
-  }
-  return j;
-}
-
-inline Result<QpEndpoint> endpoint_from(const json& j) {
-  try {
-    QpEndpoint e;
-    e.address = j.at("address").get<std::string>();
-    e.udp_port = j.at("udp_port").get<uint16_t>();
-    e.qp_num = j.at("qp_num").get<uint32_t>();
-    e.psn = j.at("psn").get<uint32_t>();
-    e.mtu = j.at("mtu").get<uint32_t>();
-    e.pkey = j.at("pkey").get<uint16_t>();
-    auto mode = parse_mode(j.at("mode").get<std::string>());
-    if (!mode) return mode.status();
-    e.mode = *mode;
-    e.gid = j.value("gid", std::string());
-    e.lid = j.value("lid", uint16_t(0));
-    return e;
-  } catch (const std::exception& ex) {
-    return Status(Errc::protocol_error, std::string("malformed endpoint: ") + ex.what());
-  }
-}
-
-// One TCP stream with deadline-bounded line I/O.
+// One TCP stream with deadline-bounded line I/O. Lines longer than
+// `max_line` bytes fail with protocol_error. Used from one thread.
 class Channel {
  public:
-  explicit Channel(asio::io_context& io) : io_(io), socket_(io) {}
+  Channel(asio::io_context& io, size_t max_line);
+  // Adopts a connected socket (of any io_context) and bytes already read
+  // from it past the last consumed line.
+  Channel(asio::io_context& io, size_t max_line, tcp::socket&& socket, const std::string& leftover);
   tcp::socket& socket() { return socket_; }
 
-  Status write_line(const json& j, Clock::time_point deadline) {
-    const std::string line = j.dump() + "\n";
-    asio::error_code ec = asio::error::would_block;
-    asio::async_write(socket_, asio::buffer(line), [&](asio::error_code e, size_t) { ec = e; });
-    return run_until(ec, deadline, "send");
-  }
-
-  Result<json> read_line(Clock::time_point deadline) {
-    asio::error_code ec = asio::error::would_block;
-    asio::async_read_until(socket_, buffer_, '\n', [&](asio::error_code e, size_t) { ec = e; });
-    if (Status s = run_until(ec, deadline, "receive"); !s.ok()) return s;
-    std::istream in(&buffer_);
-    std::string line;
-    std::getline(in, line);
-    json j = json::parse(line, nullptr, false);
-    if (j.is_discarded() || !j.is_object() || !j.contains("type")) return Status(Errc::protocol_error, "malformed connection message");
-    return j;
-  }
-
-  Status run_until(asio::error_code& ec, Clock::time_point deadline, const char* what) {
-    io_.restart();
-    while (ec == asio::error::would_block) {
-      if (Clock::now() >= deadline || io_.run_one_until(deadline) == 0) {
-        if (ec != asio::error::would_block) break;
-        socket_.cancel();
-        io_.restart();
-        io_.run();
-        return Status(Errc::timeout, std::string("connection manager: timed out during ") + what);
-      }
-    }
-    if (ec) return Status(Errc::io_error, std::string("connection manager ") + what + ": " + ec.message());
-    return {};
-  }
+  Status write_line(const json& j, Clock::time_point deadline);
+  // The next line, parsed by parse_line (an object with a string "type").
+  Result<json> read_line(Clock::time_point deadline);
+  Status run_until(asio::error_code& ec, Clock::time_point deadline, const char* what);
 
  private:
   asio::io_context& io_;
   tcp::socket socket_;
   asio::streambuf buffer_;
+  size_t max_line_;
+};
+
+// A connection whose first line a LineServer accepted.
+struct Arrival {
+  std::unique_ptr<asio::io_context> io;  // owns the channel's socket
+  std::unique_ptr<Channel> channel;
+  json first;        // the first line, already checked
+  std::string peer;  // "address:port", for messages
+};
+
+// Accepts TCP connections and reads every connection's first line at the
+// same time, each under its own deadline (`first_line_timeout`), so that idle
+// or slow connections cost a file descriptor each and keep nobody out. A
+// first line that `check` accepts becomes an Arrival; any other (not a line,
+// too long, not JSON, refused by `check`) is answered with
+// {"type": refusal_type, "reason": why}, logged, remembered in refusals(),
+// and closed. At most max_pending connections wait for their first line;
+// beyond that the oldest is dropped. Used from one thread.
+class LineServer {
+ public:
+  using Check = std::function<Status(const json&)>;
+  struct Options {
+    size_t max_line = max_cm_line_bytes;
+    std::chrono::milliseconds first_line_timeout{5000};
+    size_t max_pending = 256;
+    std::string refusal_type = "reject";
+    std::string what = "connection manager";  // names the server in log lines
+  };
+  LineServer(Options options, Check check);
+  ~LineServer();
+  LineServer(const LineServer&) = delete;
+  LineServer& operator=(const LineServer&) = delete;
+
+  // Binds and listens; port 0 picks a free port.
+  Status open(const std::string& address, uint16_t port, int backlog = 1024);
+  uint16_t port() const;
+  // Waits for the next accepted first line until `deadline` (timeout).
+  Result<Arrival> next(Clock::time_point deadline);
+  // The latest refusals ("peer: reason"), at most 16.
+  const std::deque<std::string>& refusals() const { return refusals_; }
+  uint64_t refused() const { return refused_count_; }
+
+ private:
+  struct Pending;
+  void start_accept();
+  void start_read(const std::shared_ptr<Pending>& p);
+  void finish(const std::shared_ptr<Pending>& p, const asio::error_code& ec, size_t line_bytes);
+  void refuse(Pending& p, const std::string& why);
+  void forget(Pending& p);
+
+  Options options_;
+  Check check_;
+  asio::io_context io_;
+  tcp::acceptor acceptor_;
+  std::deque<std::shared_ptr<Pending>> pending_;
+  std::deque<Arrival> ready_;
+  std::deque<std::string> refusals_;
+  uint64_t refused_count_ = 0;
+  asio::steady_timer retry_timer_;  // accept again after a failed accept
 };
 
 inline Status to_rts(QueuePair& qp, const QpEndpoint& remote, const QpTiming& timing) {
@@ -119,21 +127,6 @@ inline Status to_rts(QueuePair& qp, const QpEndpoint& remote, const QpTiming& ti
 
 // Connects `channel`'s socket to address:port, retrying refused attempts
 // until the deadline (the server may still be starting).
-inline Status connect_with_retry(Channel& channel, const std::string& address, uint16_t port, Clock::time_point deadline) {
-  asio::error_code bad;
-  const auto ip = asio::ip::make_address(address, bad);
-  if (bad) return Status(Errc::invalid_argument, "connect: bad address '" + address + "'");
-  for (;;) {
-    asio::error_code ec = asio::error::would_block;
-    channel.socket().async_connect(tcp::endpoint(ip, port), [&](asio::error_code e) { ec = e; });
-    Status s = channel.run_until(ec, deadline, "connect");
-    if (s.ok()) return {};
-    if (s.code() == Errc::timeout) return Status(Errc::connection_refused, "connect to " + address + ":" + std::to_string(port) + ": no listener within the timeout");
-    asio::error_code ignore;
-    channel.socket().close(ignore);
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    if (Clock::now() >= deadline) return Status(Errc::connection_refused, "connect to " + address + ":" + std::to_string(port) + ": " + s.message());
-  }
-}
+Status connect_with_retry(Channel& channel, const std::string& address, uint16_t port, Clock::time_point deadline);
 
 }  // namespace stellar::control

@@ -1,5 +1,5 @@
-// Provider-independent parts of the API: status strings, parsing, the
-// environment, and Context::open's dispatch to a provider.
+// Provider-independent parts of the API: the environment, and Context::open's
+// dispatch to a provider (names and parsing of enums are in names.cpp).
 #include <cstdlib>
 #include <stdexcept>
 
@@ -8,89 +8,10 @@
 
 namespace stellar {
 
-const char* to_string(Errc e) {
-  switch (e) {
-    case Errc::ok: return "ok";
-    case Errc::invalid_argument: return "invalid argument";
-    case Errc::wrong_state: return "wrong state";
-    case Errc::queue_full: return "queue full";
-    case Errc::not_found: return "not found";
-    case Errc::no_device: return "no device";
-    case Errc::permission_denied: return "permission denied";
-    case Errc::resource_exhausted: return "resource exhausted";
-    case Errc::io_error: return "I/O error";
-    case Errc::timeout: return "timeout";
-    case Errc::connection_refused: return "connection refused";
-    case Errc::protocol_error: return "protocol error";
-    case Errc::unsupported: return "unsupported";
-  }
-  return "?";
-}
-
-std::string Status::to_string() const {
-  return ok() ? "ok" : std::string(stellar::to_string(code_)) + ": " + message_;
-}
-
-const char* to_string(Provider p) { return p == Provider::verbs ? "verbs" : "soft"; }
-const char* to_string(Mode m) { return m == Mode::roce ? "roce" : "stellar"; }
-
-Result<Provider> parse_provider(const std::string& s) {
-  if (s == "soft") return Provider::soft;
-  if (s == "verbs") return Provider::verbs;
-  return Status(Errc::invalid_argument, "unknown provider '" + s + "' (expected soft or verbs)");
-}
-
-Result<Mode> parse_mode(const std::string& s) {
-  if (s == "stellar") return Mode::stellar;
-  if (s == "roce") return Mode::roce;
-  return Status(Errc::invalid_argument, "unknown mode '" + s + "' (expected stellar or roce)");
-}
-
-const char* to_string(WcStatus s) {
-  switch (s) {
-    case WcStatus::success: return "success";
-    case WcStatus::local_length_error: return "local length error";
-    case WcStatus::local_qp_operation_error: return "local QP operation error";
-    case WcStatus::local_protection_error: return "local protection error";
-    case WcStatus::work_request_flushed: return "work request flushed";
-    case WcStatus::bad_response: return "bad response";
-    case WcStatus::remote_invalid_request: return "remote invalid request";
-    case WcStatus::remote_access_error: return "remote access error";
-    case WcStatus::remote_operation_error: return "remote operation error";
-    case WcStatus::retry_exceeded: return "transport retry counter exceeded";
-    case WcStatus::rnr_retry_exceeded: return "RNR retry counter exceeded";
-  }
-  return "?";
-}
-
-const char* to_string(WcOpcode o) {
-  switch (o) {
-    case WcOpcode::send: return "send";
-    case WcOpcode::rdma_write: return "rdma_write";
-    case WcOpcode::rdma_read: return "rdma_read";
-    case WcOpcode::compare_swap: return "compare_swap";
-    case WcOpcode::fetch_add: return "fetch_add";
-    case WcOpcode::recv: return "recv";
-    case WcOpcode::recv_rdma_with_imm: return "recv_rdma_with_imm";
-  }
-  return "?";
-}
-
 std::string describe(const WorkCompletion& wc) {
   std::string text = to_string(wc.status);
   if (wc.provider_status != 0) text = provider::describe_verbs_status(wc.provider_status, wc.vendor_error);
   return text;
-}
-
-const char* to_string(QpState s) {
-  switch (s) {
-    case QpState::reset: return "RESET";
-    case QpState::init: return "INIT";
-    case QpState::rtr: return "RTR";
-    case QpState::rts: return "RTS";
-    case QpState::error: return "ERROR";
-  }
-  return "?";
 }
 
 namespace {

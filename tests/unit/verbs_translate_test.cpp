@@ -7,7 +7,7 @@
 
 #include <cstring>
 
-#include "core/control_channel.hpp"
+#include "core/control_messages.hpp"
 #include "providers/verbs/translate.hpp"
 #include "stellar/verbs.hpp"
 
@@ -522,6 +522,8 @@ TEST(VerbsEndpoint, JsonCarriesGidAndStaysCompatible) {
   // A soft endpoint's JSON has no GID fields; an older peer's message without them still parses.
   QpEndpoint soft;
   soft.address = "127.0.0.1";
+  soft.udp_port = 5000;
+  soft.qp_num = 5;
   auto sj = control::endpoint_json(soft);
   EXPECT_FALSE(sj.contains("gid"));
   EXPECT_FALSE(sj.contains("lid"));

@@ -1,0 +1,92 @@
+#include "coll/rendezvous.hpp"
+
+#include <string>
+
+namespace stellar::coll {
+
+using control::json;
+
+namespace {
+
+// Job parameters that decide which messages a call sends.
+constexpr const char* job_parameters[] = {"mode", "slots", "chunk_bytes", "allreduce_algorithm", "small_message_bytes", "qps_per_peer"};
+constexpr size_t max_qps_per_peer = 16;
+constexpr size_t max_endpoint_bytes = 400;  // one endpoint's JSON, generously
+
+Status malformed(int rank, const std::string& why) {
+  return Status(Errc::protocol_error, "rank " + std::to_string(rank) + " sent a malformed hello: " + why);
+}
+
+}  // namespace
+
+size_t max_hello_bytes(int world) { return 4096 + size_t(world) * (max_qps_per_peer * max_endpoint_bytes + 64); }
+
+Result<int> check_hello(const json& h, int world, const json& reference) {
+  auto type = control::read_string(h, "type", 16);
+  if (!type) return type.status();
+  if (*type != "hello") return Status(Errc::protocol_error, "expected a hello, got '" + *type + "'");
+  auto rank = control::read_unsigned(h, "rank", 0, uint64_t(world) - 1);
+  if (!rank) return Status(Errc::protocol_error, "hello: " + rank.status().message());
+  const int r = int(*rank);
+  auto version = control::read_unsigned(h, "version", 0, UINT32_MAX);
+  if (!version) return malformed(r, version.status().message());
+  if (*version != 2) return Status(Errc::protocol_error, "rank " + std::to_string(r) + " speaks rendezvous version " + std::to_string(*version) + ", not 2");
+  auto world_size = control::read_unsigned(h, "world_size", 0, UINT32_MAX);
+  if (!world_size) return malformed(r, world_size.status().message());
+  if (*world_size != uint64_t(world))
+    return Status(Errc::invalid_argument,
+                  "rank " + std::to_string(r) + " says the world size is " + std::to_string(*world_size) + ", this rank says " + std::to_string(world));
+  for (const char* key : job_parameters) {
+    const auto theirs = h.find(key);
+    if (theirs == h.end()) return malformed(r, std::string("no '") + key + "'");
+    if (*theirs != reference.at(key))
+      return Status(Errc::invalid_argument, "rank " + std::to_string(r) + " uses " + key + "=" + theirs->dump(-1, ' ', false, json::error_handler_t::replace).substr(0, 64) +
+                                                ", this rank uses " + reference.at(key).dump());
+  }
+  const uint64_t qps = reference.at("qps_per_peer").get<uint64_t>();
+  const auto endpoints = h.find("endpoints");
+  const auto landing = h.find("landing");
+  if (endpoints == h.end() || !endpoints->is_array() || endpoints->size() != size_t(world))
+    return malformed(r, "'endpoints' is not a list of " + std::to_string(world) + " entries");
+  if (landing == h.end() || !landing->is_array() || landing->size() != size_t(world))
+    return malformed(r, "'landing' is not a list of " + std::to_string(world) + " entries");
+  for (int peer = 0; peer < world; ++peer) {
+    const json& e = (*endpoints)[size_t(peer)];
+    const json& l = (*landing)[size_t(peer)];
+    if (peer == r) {
+      if (!e.is_null() || !l.is_null()) return malformed(r, "an entry for itself");
+      continue;
+    }
+    if (!e.is_array() || e.size() != qps) return malformed(r, "endpoints towards rank " + std::to_string(peer) + " are not " + std::to_string(qps) + " QPs");
+    for (const json& endpoint : e)
+      if (auto checked = control::endpoint_from(endpoint); !checked)
+        return malformed(r, "endpoint towards rank " + std::to_string(peer) + ": " + checked.status().message());
+    if (!l.is_object()) return malformed(r, "landing entry for rank " + std::to_string(peer) + " is not an object");
+    if (auto addr = control::read_unsigned(l, "addr", 1, UINT64_MAX); !addr)
+      return malformed(r, "landing entry for rank " + std::to_string(peer) + ": " + addr.status().message());
+  }
+  if (world > 1)
+    if (auto rkey = control::read_unsigned(h, "landing_rkey", 0, UINT32_MAX); !rkey) return malformed(r, rkey.status().message());
+  return r;
+}
+
+Result<std::vector<json>> check_table(const json& reply, int world, const json& own) {
+  auto type = control::read_string(reply, "type", 16);
+  if (!type) return type.status();
+  if (*type != "table") return Status(Errc::protocol_error, "expected the rendezvous table, got '" + *type + "'");
+  const auto ranks = reply.find("ranks");
+  if (ranks == reply.end() || !ranks->is_array() || ranks->size() != size_t(world))
+    return Status(Errc::protocol_error, "rendezvous table from rank 0 is not a list of " + std::to_string(world) + " hellos");
+  std::vector<json> table;
+  table.reserve(size_t(world));
+  for (int r = 0; r < world; ++r) {
+    const json& h = (*ranks)[size_t(r)];
+    auto sender = check_hello(h, world, own);
+    if (!sender) return Status(sender.status().code(), "rendezvous table, entry " + std::to_string(r) + ": " + sender.status().message());
+    if (*sender != r) return Status(Errc::protocol_error, "rendezvous table: entry " + std::to_string(r) + " is rank " + std::to_string(*sender) + "'s");
+    table.push_back(h);
+  }
+  return table;
+}
+
+}  // namespace stellar::coll

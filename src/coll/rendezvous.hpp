@@ -1,0 +1,35 @@
+// The collectives' rendezvous messages, checked (no I/O; the fuzz target
+// drives these directly). Rank 0 serves a TCP rendezvous at MASTER_ADDR:
+//   rank r -> rank 0   {"type":"hello", "version":2, "rank":r, "world_size", job
+//                       parameters..., "endpoints":[per rank: null for r itself,
+//                       else qps_per_peer endpoints], "landing":[per rank: null
+//                       or {"addr":u64}], "landing_rkey":u32}
+//   rank 0 -> rank r   {"type":"table", "ranks":[every rank's hello]} | {"type":"error","reason"}
+//   rank r -> rank 0   {"type":"ready"} | {"type":"failed","reason"}
+//   rank 0 -> rank r   {"type":"go"} | {"type":"error","reason"}
+// Everything a hello says is checked here before anyone uses it: types,
+// ranges, the table's shape, and the job parameters against the reader's
+// own (they decide which messages a call sends, so all ranks must agree).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "core/control_messages.hpp"
+
+namespace stellar::coll {
+
+// The longest hello a rank of a `world`-rank job may send (qps_per_peer is at
+// most 16): the line cap of rank 0's rendezvous server.
+size_t max_hello_bytes(int world);
+
+// Checks `h` as a hello of a `world`-rank job whose parameters must equal
+// those of `reference` (the reader's own hello). Returns the sender's rank.
+Result<int> check_hello(const control::json& h, int world, const control::json& reference);
+
+// Checks rank 0's table (type "table") against `own` (this rank's hello):
+// every entry is a valid hello of its own rank. Returns the entries.
+Result<std::vector<control::json>> check_table(const control::json& reply, int world, const control::json& own);
+
+}  // namespace stellar::coll
