@@ -1,6 +1,6 @@
 // Stellar's verbs-shaped API: context, protection domain, memory region,
 // completion queue and RC queue pair, with the semantics of libibverbs
-// (design.md, principle 2). A user who knows verbs knows this.
+// (docs/design.md, principle 2). A user who knows verbs knows this.
 //
 // Ownership: objects are handed out as std::shared_ptr; a child keeps its
 // parents alive (a QP keeps its PD, CQs and context). Memory regions are
@@ -22,7 +22,7 @@
 namespace stellar {
 
 enum class Provider { soft, verbs };
-enum class Mode { stellar, roce };  // soft provider wire protocol (design.md, principle 3)
+enum class Mode { stellar, roce };  // soft provider wire protocol (docs/design.md, principle 3)
 enum class ProgressMode {
   inline_poll,  // the caller's poll/wait drives the transport (lowest latency, no extra thread)
   thread,       // a dedicated engine thread drives it
@@ -201,6 +201,11 @@ struct QpEndpoint {
   // refuses a peer without a GID.
   std::string gid;
   uint16_t lid = 0;
+  // soft provider, stellar mode: this QP's connection token, the random
+  // 64-bit secret the peer must put on every packet to it (docs/security.md);
+  // carried by the connection manager. 0 in roce mode and on the verbs
+  // provider; a stellar-mode QP refuses a remote endpoint with token 0 at RTR.
+  uint64_t token = 0;
 };
 
 // Transport timing of a QP (set at RTR/RTS, like ibv_qp_attr.timeout/retry_cnt).
@@ -264,6 +269,7 @@ struct ContextCounters {
   uint64_t rx_dropped_malformed = 0;      // truncated, bad checksum, bad opcode/version
   uint64_t rx_dropped_unknown_qp = 0;     // no QP with that number in that tenant
   uint64_t rx_dropped_out_of_window = 0;  // PSN outside the window
+  uint64_t rx_dropped_bad_token = 0;      // stellar: not the connection's token (forged, or a stale connection)
   uint64_t rx_duplicates = 0;
   uint64_t rx_access_errors = 0;          // forged rkey, bounds, rights
   uint64_t rnr_naks_sent = 0;

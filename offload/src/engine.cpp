@@ -17,6 +17,8 @@ constexpr uint32_t duplicate_threshold = 3;  // later packets acknowledged befor
 constexpr uint32_t pending_capacity = 16;     // stellar: READ/atomic requests that arrived ahead of a gap
 constexpr uint32_t control_capacity = 256;
 constexpr uint32_t atomic_replay_capacity = 32;
+// What follows the payload: roce pad (up to 3) + ICRC (4); stellar CRC-32C (4).
+constexpr size_t max_trailer_bytes = 8;
 constexpr uint32_t zero_copy_bytes = 1024;    // larger payloads are referenced, not copied, when sent
 
 enum SlotFlags : uint8_t { slot_sent = 1, slot_done = 2, slot_lost = 4, slot_retransmitted = 8, slot_in_flight = 16 };
@@ -59,8 +61,9 @@ struct ReadResponse {
   uint64_t address = 0;
   uint32_t rkey = 0;
   uint32_t length = 0;
-  uint32_t packets = 0;
+  uint32_t packets = 0;  // of the request (what the opcodes count)
   uint32_t sent = 0;
+  uint32_t end = 0;      // packets to send: `packets`, fewer when a duplicate READ cut it short (roce)
 };
 
 struct Control {
@@ -210,6 +213,16 @@ struct QpEngine::State {
   uint64_t ack_host_delay = 0;          // host delay inside the RTT sample being processed
   uint64_t transmit_now = 0;            // now of the transmit() call building packets
   uint32_t consecutive_timeouts = 0;
+  // roce go-back-N recovery of READ/atomic responses: after asking again from
+  // recovery_psn, responses past it keep arriving from the stream the
+  // responder was sending before it got the re-request (and its queue). They
+  // say nothing new: asking again for each of them would only pile up
+  // duplicate streams. Only a stream that goes back (a response at or below
+  // the one before it: the responder started over) and still lacks
+  // recovery_psn, or the timer, asks again.
+  bool recovering = false;
+  uint32_t recovery_psn = 0;
+  uint32_t last_response_psn = 0;  // PSN of the latest response for an outstanding request (>= una - 1)
   // Spurious-timeout detection (stellar mode): after a timeout, an ACK for a
   // packet it declared lost that was never resent proves the original
   // arrived; the congestion window cut is then undone.
@@ -260,6 +273,7 @@ struct QpEngine::State {
     config.max_recv_wr = std::max<uint32_t>(1, config.max_recv_wr);
     config.mtu = std::max<uint32_t>(256, config.mtu);
     config.max_read_responses = std::max<uint32_t>(1, config.max_read_responses);
+    config.max_response_burst = std::max<uint32_t>(1, config.max_response_burst);
     // Bounded by what the responder can hold: early in-order requests and the atomic replay cache.
     config.max_rd_atomic = std::clamp<uint32_t>(config.max_rd_atomic, 1, std::min(pending_capacity, atomic_replay_capacity));
     sq.resize(config.max_send_wr);
@@ -274,6 +288,7 @@ struct QpEngine::State {
     cc = make_congestion_control(config.cc, ccc);
     una = send_psn = max_sent = assign_psn = acked_upto = highest_done = highest_response_done = loss_scan =
         config.send_psn & psn_mask;
+    last_response_psn = add(una, psn_mask);  // una - 1
     epsn = received_end = config.receive_psn & psn_mask;
     rto = config.rto_initial_ns;
   }
@@ -446,13 +461,42 @@ struct QpEngine::State {
       // A cumulative ACK past a READ or atomic whose response never came means
       // the response was lost: a RoCE requester re-issues from there.
       for (uint32_t p = una; diff(p, cum) < 0; p = add(p, 1)) {
-        Slot& s = slot(p);
-        if (!(s.flags & slot_done)) {
-          if (now - s.sent_ns > srtt) rewind(p, now);
+        if (!(slot(p).flags & slot_done)) {
+          response_missing(p, false, 0, now);
           break;
         }
       }
     }
+  }
+
+  // roce: the response for p, the oldest one missing, is overdue: a response
+  // (from_response, for PSN `evidence`) or an ACK for a later PSN came first.
+  // Responses leave the responder in PSN order and the network keeps order,
+  // so p's was lost: go back to p, once per gap. While the re-request is under
+  // way, later responses of the streams sent before it are no news (see
+  // `recovering`): they climb, one PSN after the other. A response at or
+  // below the one before it comes from a stream the responder started over,
+  // and if p is still missing then, that stream lost it too: ask again. An
+  // ACK cannot tell the streams apart: during recovery it is left to the timer.
+  // The timer restarts with every response of a stream still climbing: the
+  // answer to the re-request queues behind it (a software responder may have
+  // sent all of a READ's responses before the re-request reached it, and
+  // their draining can outlast the RTO), and a timeout now would only ask
+  // for yet another copy of everything.
+  void response_missing(uint32_t p, bool from_response, uint32_t evidence, uint64_t now) {
+    if (recovering && p == recovery_psn) {
+      if (!from_response) return;
+      if (diff(evidence, last_response_psn) > 0) {
+        if (p == una) rto_deadline = now + rto;
+        return;
+      }
+    } else if (!from_response && now - slot(p).sent_ns <= srtt) {
+      return;  // an ACK overtaking a response still on its way (as before: not news yet)
+    }
+    rewind(p, now);
+    recovering = true;
+    recovery_psn = p;
+    if (p == una) rto_deadline = now + rto;  // as TCP: the timer restarts with the head's retransmission
   }
 
   void apply_sack(uint32_t cum, uint64_t bitmap, uint64_t now, uint64_t& rtt, uint64_t& bytes) {
@@ -533,6 +577,8 @@ struct QpEngine::State {
       una = add(una, 1);
     }
     if (timeout_undo_possible && diff(una, timeout_end) >= 0) timeout_undo_possible = false;  // all judged packets settled
+    if (recovering && diff(una, recovery_psn) > 0) recovering = false;  // the gap is filled
+    if (diff(una, last_response_psn) > 0) last_response_psn = add(una, psn_mask);
     // Keep the scan cursors inside the window so PSN arithmetic stays valid.
     if (diff(una, acked_upto) > 0) acked_upto = una;
     if (diff(una, loss_scan) > 0) loss_scan = una;
@@ -613,6 +659,8 @@ struct QpEngine::State {
     rto = std::min(rto * 2, config.rto_max_ns);
     if (config.mode == Mode::roce) {
       rewind(una, now);
+      recovering = true;  // responses of the streams sent before are no news (response_missing)
+      recovery_psn = una;
     } else {
       // As TCP after an RTO: everything unacknowledged counts as lost, so the
       // in-flight estimate drops to zero and the (collapsed) window can open.
@@ -734,12 +782,15 @@ struct QpEngine::State {
       apply_cumulative(w.first_psn, now, rtt, bytes);
       for (uint32_t p = diff(una, w.first_psn) > 0 ? una : w.first_psn; diff(p, h.psn) < 0; p = add(p, 1)) {
         if (!(slot(p).flags & slot_done)) {
+          // Go-back-N: dropped; asked for again with everything from p.
           ++counters.out_of_order;
-          if (now - slot(p).sent_ns > srtt) rewind(p, now);
+          response_missing(p, true, h.psn, now);
+          last_response_psn = h.psn;
           after_acknowledgement(now, rtt, bytes);
           return;
         }
       }
+      last_response_psn = h.psn;
     }
     if (is_read) {
       const uint64_t offset = uint64_t(diff(h.psn, w.first_psn)) * config.mtu;
@@ -798,6 +849,23 @@ struct QpEngine::State {
     complete_sends();
   }
 
+  // A header addressed to the peer QP: partition, destination QPN and (stellar)
+  // the peer's connection token. Every packet this engine sends starts here.
+  Header addressed() const {
+    Header h;
+    h.pkey = config.pkey;
+    h.dest_qpn = config.remote_qpn;
+    h.token = config.remote_token;
+    return h;
+  }
+
+  // stellar: a packet must carry this QP's token; roce has none on the wire.
+  bool token_accepted(const Header& h) {
+    if (config.mode != Mode::stellar || h.token == config.local_token) return true;
+    ++counters.bad_token;
+    return false;
+  }
+
   // Builds the request packet for PSN psn into b. A READ request asks for
   // `read_packets` response packets from psn (at most to the end of its
   // piece, read_request_packets).
@@ -805,9 +873,7 @@ struct QpEngine::State {
     SendWqe& w = sq[wqe_index];
     const uint32_t index = uint32_t(diff(psn, w.first_psn));
     const uint64_t offset = uint64_t(index) * config.mtu;
-    Header h;
-    h.pkey = config.pkey;
-    h.dest_qpn = config.remote_qpn;
+    Header h = addressed();
     h.psn = psn;
     h.solicited = w.work.solicited;
     psns_used = 1;
@@ -855,7 +921,7 @@ struct QpEngine::State {
     h.ack_request = last || needs_response(w.work.opcode) ||
                     uint32_t(diff(add(psn, psns_used), una)) > config.window_packets / 2;
     const size_t at = payload_offset(config.mode, h);
-    if (b.capacity < at + payload + max_header_bytes) return 0;
+    if (b.capacity < at + payload + max_trailer_bytes) return 0;
     if (payload && !local_ok(w, offset, payload, 0)) {
       local_fault = true;
       return 0;
@@ -1198,7 +1264,7 @@ struct QpEngine::State {
         ++counters.requests_dropped_full;
         return Outcome::dropped;  // the requester retries
       }
-      reads[(reads_head + reads_count) % reads.size()] = ReadResponse{h.psn, h.remote_addr, h.rkey, length, packets, 0};
+      reads[(reads_head + reads_count) % reads.size()] = ReadResponse{h.psn, h.remote_addr, h.rkey, length, packets, 0, packets};
       ++reads_count;
       consumed = packets;
       msn = (msn + 1) & 0xffffff;
@@ -1379,12 +1445,38 @@ struct QpEngine::State {
     return Outcome::accepted;
   }
 
+  // roce: a duplicate READ request at PSN q means the requester went back to
+  // q (go-back-N) and asks again for everything from q on. As a RoCE
+  // responder may (IBTA: responder behaviour on a duplicate RDMA READ), stop the responses
+  // not yet sent for PSNs from q on: those of requests at q or later go, a
+  // response that started before q ends at q. The requester re-sends the
+  // later requests anyway; answering them all again behind what is still
+  // queued would send each response twice, and on every further go-back a
+  // third time. Responses before q (requests before q) are still owed and
+  // stay. Atomic acknowledgements (the control queue, the replay cache) are
+  // left alone: an atomic never executes twice, a re-sent one is answered
+  // from the cache.
+  void restart_reads_at(uint32_t q) {
+    uint32_t kept = 0;
+    for (uint32_t i = 0; i < reads_count; ++i) {
+      ReadResponse r = reads[(reads_head + i) % reads.size()];
+      if (diff(r.psn, q) >= 0) continue;
+      const uint32_t before_q = uint32_t(diff(q, r.psn));
+      if (r.end > before_q) r.end = before_q;
+      if (r.sent >= r.end) continue;  // everything before q already went out
+      reads[(reads_head + kept) % reads.size()] = r;
+      ++kept;
+    }
+    reads_count = kept;
+  }
+
   void replay_duplicate(const Header& h, uint64_t now) {
     if (h.opcode == opcode::read_request) {
       // Reads are idempotent: serve the (possibly partial) range again.
       const uint32_t length = h.dma_length;
       const uint32_t packets = std::max<uint32_t>(1, uint32_t((uint64_t(length) + config.mtu - 1) / config.mtu));
       if (packets > config.window_packets / 2) return;
+      if (config.mode == Mode::roce) restart_reads_at(h.psn);
       if (reads_count == reads.size()) {
         ++counters.requests_dropped_full;
         return;
@@ -1394,7 +1486,7 @@ struct QpEngine::State {
         nak(h.psn, syndrome::nak_remote_access);
         return;
       }
-      reads[(reads_head + reads_count) % reads.size()] = ReadResponse{h.psn, h.remote_addr, h.rkey, length, packets, 0};
+      reads[(reads_head + reads_count) % reads.size()] = ReadResponse{h.psn, h.remote_addr, h.rkey, length, packets, 0, packets};
       ++reads_count;
       // A re-request can start inside what was accepted and reach past it:
       // the first request for a piece was lost and a one-packet probe took
@@ -1452,6 +1544,10 @@ struct QpEngine::State {
 
   size_t transmit_responses(TxBuffer* buffers, size_t count) {
     size_t n = 0;
+    // roce: a burst, then back to the host, which hands in what arrived
+    // meanwhile: a duplicate READ request must find the rest of the
+    // responses still here to cut them short (restart_reads_at).
+    if (config.mode == Mode::roce) count = std::min<size_t>(count, config.max_response_burst);
     while (n < count && (control_count > 0 || reads_count > 0)) {
       // Responses leave in PSN order, as a verbs responder sends them: an
       // atomic ACK must not overtake the data of an earlier READ.
@@ -1460,10 +1556,8 @@ struct QpEngine::State {
           (reads_count == 0 || diff(control[control_head].psn, add(reads[reads_head].psn, reads[reads_head].sent)) < 0);
       if (control_first) {
         const Control& c = control[control_head];
-        Header h;
+        Header h = addressed();
         h.opcode = c.opcode;
-        h.pkey = config.pkey;
-        h.dest_qpn = config.remote_qpn;
         h.psn = c.psn;
         h.syndrome = c.syndrome;
         h.msn = msn;
@@ -1478,9 +1572,7 @@ struct QpEngine::State {
       ReadResponse& r = reads[reads_head];
       const uint64_t offset = uint64_t(r.sent) * config.mtu;
       const uint32_t length = uint32_t(std::min<uint64_t>(config.mtu, r.length - offset));
-      Header h;
-      h.pkey = config.pkey;
-      h.dest_qpn = config.remote_qpn;
+      Header h = addressed();
       h.psn = add(r.psn, r.sent);
       const bool first = r.sent == 0, last = r.sent + 1 == r.packets;
       h.opcode = first && last ? opcode::read_response_only
@@ -1493,7 +1585,7 @@ struct QpEngine::State {
       h.message_length = r.length;
       h.payload_length = length;
       const size_t at = payload_offset(config.mode, h);
-      if (buffers[n].capacity < at + length + max_header_bytes) break;
+      if (buffers[n].capacity < at + length + max_trailer_bytes) break;
       if (length) {
         // Resolve again per packet: the region may have been deregistered since.
         const uint8_t* source = memory.resolve(r.rkey, r.address + offset, length, access_remote_read);
@@ -1513,7 +1605,7 @@ struct QpEngine::State {
       }
       if (!finish(h, buffers[n])) break;
       ++n;
-      if (++r.sent == r.packets) {
+      if (++r.sent == r.end) {
         reads_head = (reads_head + 1) % reads.size();
         --reads_count;
       }
@@ -1523,10 +1615,8 @@ struct QpEngine::State {
 
   size_t transmit_ack(TxBuffer* buffers, size_t count, uint64_t now) {
     if (count == 0 || ack_due > now) return 0;
-    Header h;
+    Header h = addressed();
     h.opcode = opcode::acknowledge;
-    h.pkey = config.pkey;
-    h.dest_qpn = config.remote_qpn;
     h.syndrome = syndrome::ack;
     h.msn = msn;
     h.psn = (epsn - 1) & psn_mask;
@@ -1608,12 +1698,16 @@ void QpEngine::receive(const uint8_t* data, size_t length, const IcrcAddresses& 
     ++s_->counters.decode_errors;
     return;
   }
+  if (!s_->token_accepted(h)) return;
   s_->counters.rx_bytes += length;
   receive_decoded(h, now_ns, arrival_ns);
 }
 
 void QpEngine::receive_decoded(const Header& h, uint64_t now_ns, uint64_t arrival_ns) {
   State& s = *s_;
+  // Before anything else: a packet without this connection's token (stellar)
+  // changes no state: not the PSN window, not acknowledgements, not memory.
+  if (!s.token_accepted(h)) return;
   ++s.counters.rx_packets;
   const uint64_t arrival = arrival_ns && arrival_ns <= now_ns ? arrival_ns : now_ns;
   if (h.dest_qpn != s.config.local_qpn || h.pkey != s.config.pkey) {

@@ -219,9 +219,11 @@ namespace {
 // ---- header sizes ----
 constexpr size_t roce_bth = 12, roce_reth = 16, roce_aeth = 4, roce_atomic_eth = 28, roce_atomic_ack = 8,
                  imm_bytes = 4, trailer = 4;
-constexpr size_t stellar_base = 32, stellar_reth = 16, stellar_segment = 12;
+constexpr size_t stellar_base = 40, stellar_reth = 16, stellar_segment = 12;
 constexpr uint8_t stellar_magic = 0x53;  // 'S'
-constexpr uint8_t stellar_version = 1;
+// 2: the 64-bit connection token at offset 32 (base header 40 bytes). A
+// version-1 peer's packets are refused as bad_version.
+constexpr uint8_t stellar_version = 2;
 
 bool roce_has_reth(uint8_t op) {
   return op == opcode::write_first || op == opcode::write_only || op == opcode::write_only_imm ||
@@ -411,6 +413,7 @@ size_t write_headers(Mode mode, const Header& h, uint8_t* out, uint32_t pad) {
   put32(p + 16, h.has_ack ? h.ack_psn : 0);
   put64(p + 20, h.has_ack ? h.sack_bitmap : 0);
   put32(p + 28, h.has_ack ? h.ack_delay_ns : 0);
+  put64(p + 32, h.token);
   p += stellar_base;
   if (opcode_is_write(h.opcode) || h.opcode == opcode::read_request) {
     put64(p, h.remote_addr);
@@ -529,8 +532,11 @@ DecodeError decode(Mode mode, const uint8_t* data, size_t length, const IcrcAddr
     return DecodeError::none;
   }
 
-  if (length < stellar_base + trailer) return DecodeError::truncated;
+  // Version first, so that a version-1 peer's packets (shorter base header)
+  // are told apart from truncated ones.
+  if (length < 2) return DecodeError::truncated;
   if (data[0] != stellar_magic || data[1] != stellar_version) return DecodeError::bad_version;
+  if (length < stellar_base + trailer) return DecodeError::truncated;
   h.opcode = data[2];
   if (h.opcode > opcode::last_valid) return DecodeError::bad_opcode;
   const size_t header = stellar_header_bytes(h);
@@ -547,6 +553,7 @@ DecodeError decode(Mode mode, const uint8_t* data, size_t length, const IcrcAddr
   h.ack_psn = get32(data + 16);
   h.sack_bitmap = get64(data + 20);
   h.ack_delay_ns = get32(data + 28);
+  h.token = get64(data + 32);
   const uint8_t* p = data + stellar_base;
   if (opcode_is_write(h.opcode) || h.opcode == opcode::read_request) {
     h.remote_addr = get64(p);

@@ -1,8 +1,11 @@
 // libFuzzer target: the packet decoders and the engine's receive path, both
-// modes. The first input byte picks the mode; the rest is one datagram fed to
-// a connected responder/requester with registered memory, receives posted and
-// work outstanding, so that every branch of the receive path is reachable.
-// Nothing may crash, and memory outside the registered region stays intact.
+// modes. The first input byte picks the mode (bit 0: roce) and, in stellar
+// mode, the engine's connection token (bit 1: `fuzz_token`, else 0, which is
+// what generated packets carry); the rest is one datagram fed to a connected
+// responder/requester with registered memory, receives posted and work
+// outstanding, so that every branch of the receive path is reachable, the
+// token check included. Nothing may crash, and memory outside the registered
+// region stays intact.
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -30,6 +33,10 @@ struct Memory : MemoryAccess {
   }
 };
 
+// The stellar connection token of inputs whose first byte has bit 1 set
+// (corpus/stellar-token-*: datagrams that carry it).
+constexpr uint64_t fuzz_token = 0x5eed5eed5eed5eedull;
+
 struct Sink : CompletionSink {
   void deliver(const Completion&) override {}
 };
@@ -40,9 +47,11 @@ struct Rig {
   std::unique_ptr<QpEngine> engine;
   std::vector<uint8_t> local = std::vector<uint8_t>(64 * 1024);
   std::vector<uint8_t> out = std::vector<uint8_t>(8192);
-  explicit Rig(Mode mode) {
+  Rig(Mode mode, uint64_t token) {
     EngineConfig c;
     c.mode = mode;
+    c.local_token = token;
+    c.remote_token = token;
     c.local_qpn = 7;
     c.remote_qpn = 9;
     c.send_psn = 100;
@@ -73,9 +82,10 @@ struct Rig {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 1) return 0;
   const Mode mode = (data[0] & 1) ? Mode::roce : Mode::stellar;
+  const uint64_t token = (data[0] & 2) ? fuzz_token : 0;
   Header h;
   (void)decode(mode, data + 1, size - 1, IcrcAddresses{}, h);
-  Rig rig(mode);
+  Rig rig(mode, token);
   rig.prime();
   rig.engine->receive(data + 1, size - 1, IcrcAddresses{}, 10);
   // The decoded form skips the checksum, reaching deeper engine states.
@@ -85,6 +95,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     forged.opcode = uint8_t(data[5] % (opcode::last_valid + 1));
     forged.dest_qpn = 7;
     forged.pkey = default_pkey;
+    forged.token = (data[7] & 0x1f) == 0x1f ? ~token : token;  // now and then a wrong one: dropped, changes nothing
     std::memcpy(&forged.remote_addr, data + 1, std::min<size_t>(8, size - 1));
     forged.rkey = data[6] & 1 ? 0x1234 : 0;
     forged.dma_length = data[7] * 64u;

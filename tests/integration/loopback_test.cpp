@@ -1,11 +1,15 @@
 // Real processes over loopback UDP through the public API and the connection
 // manager: every opcode, both modes, with fault injection on; dead peers;
-// tenants; API misuse.
+// tenants; API misuse; blind packet injection (the stellar connection token).
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
 #include <poll.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <functional>
@@ -591,6 +595,268 @@ TEST_P(Loopback, EngineThreadWithAdaptiveWaitMovesData) {
   pollfd p{c.cq_a->fd(), POLLIN, 0};
   EXPECT_EQ(::poll(&p, 1, 10000), 1);
   EXPECT_EQ(c.cq_a->poll(wc), 1);
+}
+
+
+// ---- Trust model (docs/security.md) ----
+
+// RTR refuses a remote endpoint the transport cannot work with, naming the
+// field and its value, and leaves the QP in INIT; stellar mode also refuses
+// one without a connection token.
+TEST_P(Loopback, RtrRefusesUnusableRemoteEndpoints) {
+  const Mode mode = GetParam();
+  auto a = Context::open(options_for(mode, false)).value();
+  auto b = Context::open(options_for(mode, false)).value();
+  auto pd_a = a->allocate_pd().value(), pd_b = b->allocate_pd().value();
+  auto cq_a = a->create_cq(16).value(), cq_b = b->create_cq(16).value();
+  QpInitAttributes qa;
+  qa.send_cq = qa.recv_cq = cq_a;
+  auto qp_a = pd_a->create_qp(qa).value();
+  auto other_a = pd_a->create_qp(qa).value();
+  qa.send_cq = qa.recv_cq = cq_b;
+  auto qp_b = pd_b->create_qp(qa).value();
+  const QpEndpoint good = qp_b->local_endpoint();
+  if (mode == Mode::stellar) {
+    EXPECT_NE(good.token, 0u);
+    EXPECT_NE(good.token, qp_a->local_endpoint().token);
+    EXPECT_NE(qp_a->local_endpoint().token, other_a->local_endpoint().token);
+    EXPECT_EQ(qp_a->local_endpoint().token, qp_a->local_endpoint().token) << "drawn once, at creation";
+  } else {
+    EXPECT_EQ(good.token, 0u) << "roce mode: RoCEv2 has no token";
+  }
+  QpModify m;
+  m.state = QpState::init;
+  ASSERT_TRUE(qp_a->modify(m).ok());
+  struct Bad {
+    std::string field, value;
+    std::function<void(QpEndpoint&)> change;
+  };
+  std::vector<Bad> bad = {
+      {"mtu", "0", [](QpEndpoint& e) { e.mtu = 0; }},
+      {"mtu", "255", [](QpEndpoint& e) { e.mtu = 255; }},
+      {"qp_num", "16777216", [](QpEndpoint& e) { e.qp_num = 1u << 24; }},
+      {"qp_num", "0", [](QpEndpoint& e) { e.qp_num = 0; }},
+      {"udp_port", "0", [](QpEndpoint& e) { e.udp_port = 0; }},
+      {"address", "0.0.0.0", [](QpEndpoint& e) { e.address = "0.0.0.0"; }},
+      {"address", "255.255.255.255", [](QpEndpoint& e) { e.address = "255.255.255.255"; }},
+      {"address", "224.0.0.1", [](QpEndpoint& e) { e.address = "224.0.0.1"; }},
+      {"address", "239.255.255.250", [](QpEndpoint& e) { e.address = "239.255.255.250"; }},
+  };
+  if (mode == Mode::stellar) bad.push_back({"token", "0", [](QpEndpoint& e) { e.token = 0; }});
+  m.state = QpState::rtr;
+  for (const Bad& x : bad) {
+    m.remote = good;
+    x.change(m.remote);
+    const Status st = qp_a->modify(m);
+    EXPECT_EQ(st.code(), Errc::invalid_argument) << x.field << " " << x.value << ": " << st.to_string();
+    EXPECT_NE(st.message().find(x.field + " " + x.value), std::string::npos) << st.message();
+    EXPECT_EQ(qp_a->state(), QpState::init) << x.field;
+  }
+  m.remote = good;
+  EXPECT_TRUE(qp_a->modify(m).ok());
+  EXPECT_EQ(qp_a->state(), QpState::rtr);
+}
+
+// CRC-32C (Castagnoli), bitwise: the stellar trailer.
+uint32_t crc32c(const uint8_t* p, size_t n) {
+  uint32_t c = ~0u;
+  for (size_t i = 0; i < n; ++i) {
+    c ^= p[i];
+    for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ 0x82f63b78u : c >> 1;
+  }
+  return ~c;
+}
+
+void put_be(std::vector<uint8_t>& d, size_t at, uint64_t v, int bytes) {
+  for (int i = 0; i < bytes; ++i) d[at + size_t(i)] = uint8_t(v >> (8 * (bytes - 1 - i)));
+}
+
+// A stellar-mode RDMA WRITE ONLY built from docs/wire-format.md alone, as an
+// attacker would: base header (40 bytes, version 2), RETH, segment, payload,
+// CRC-32C. Everything an attacker can learn or guess goes in; the token is
+// the one field it has to guess.
+std::vector<uint8_t> forge_write(uint32_t qpn, uint32_t psn, uint64_t token, uint64_t address, uint32_t rkey,
+                                 const std::vector<uint8_t>& payload) {
+  const size_t header = 40 + 16 + 12;
+  std::vector<uint8_t> d(header + payload.size() + 4, 0);
+  d[0] = 0x53;  // magic
+  d[1] = 2;     // version
+  d[2] = 0x0a;  // RDMA WRITE Only
+  d[3] = 1;     // ack request; no piggy-backed acknowledgement (bytes 16..31 stay 0)
+  put_be(d, 4, 0xffff, 2);  // default partition
+  put_be(d, 6, header, 2);
+  put_be(d, 8, qpn, 4);
+  put_be(d, 12, psn, 4);
+  put_be(d, 32, token, 8);
+  put_be(d, 40, address, 8);  // RETH
+  put_be(d, 48, rkey, 4);
+  put_be(d, 52, payload.size(), 4);
+  put_be(d, 56, 0, 4);  // segment: offset, message length, receive sequence
+  put_be(d, 60, payload.size(), 4);
+  std::copy(payload.begin(), payload.end(), d.begin() + long(header));
+  put_be(d, header + payload.size(), crc32c(d.data(), header + payload.size()), 4);
+  return d;
+}
+
+struct TestSocket {
+  int fd = -1;
+  uint16_t port = 0;
+  TestSocket() {
+    fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) std::abort();
+    socklen_t n = sizeof a;
+    getsockname(fd, reinterpret_cast<sockaddr*>(&a), &n);
+    port = ntohs(a.sin_port);
+  }
+  ~TestSocket() { ::close(fd); }
+  TestSocket(const TestSocket&) = delete;
+  TestSocket& operator=(const TestSocket&) = delete;
+  void send_to(const uint8_t* data, size_t length, uint16_t to) const {
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(to);
+    (void)::sendto(fd, data, length, 0, reinterpret_cast<const sockaddr*>(&a), sizeof a);
+  }
+  void send_to(const std::vector<uint8_t>& d, uint16_t to) const { send_to(d.data(), d.size(), to); }
+};
+
+// A UDP relay between two soft contexts: A's peer is `facing_a`, B's peer is
+// `facing_b`, so from B's point of view every packet of the connection comes
+// from facing_b's address and port. Sending from facing_b is what a spoofer
+// who forges the peer's source address and port achieves; the relay stands
+// in for it because the real peer's port cannot be bound twice.
+class Relay {
+ public:
+  Relay(uint16_t a_port, uint16_t b_port) : a_port_(a_port), b_port_(b_port), thread_([this] { run(); }) {}
+  ~Relay() {
+    stop_ = true;
+    thread_.join();
+  }
+  TestSocket facing_a, facing_b;
+
+ private:
+  void run() {
+    std::vector<uint8_t> buf(65536);
+    while (!stop_) {
+      pollfd p[2] = {{facing_a.fd, POLLIN, 0}, {facing_b.fd, POLLIN, 0}};
+      if (::poll(p, 2, 1) <= 0) continue;
+      for (int i = 0; i < 2; ++i) {
+        if (!(p[i].revents & POLLIN)) continue;
+        const ssize_t n = ::recv(p[i].fd, buf.data(), buf.size(), MSG_DONTWAIT);
+        if (n < 0) continue;
+        if (i == 0) facing_b.send_to(buf.data(), size_t(n), b_port_);  // A -> B
+        else facing_a.send_to(buf.data(), size_t(n), a_port_);         // B -> A
+      }
+    }
+  }
+  uint16_t a_port_, b_port_;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;  // last: starts once the sockets exist
+};
+
+// Blind injection (the trust model): an attacker that cannot see the
+// traffic but knows the responder's QPN, address and port, the next PSN, the
+// rkey and the address of the target region, and even sends from the peer's
+// own address and port, forges an RDMA WRITE. The connection token rejects
+// it (counted in rx_dropped_bad_token) before it touches anything; the real
+// writer's next WRITE, which takes the PSN the forgery aimed at, completes
+// and its data lands. From any other port the peer-address filter drops the
+// packet first, even with the right token. The same forgery carrying the
+// token is accepted: the token, nothing else, stopped it.
+TEST(TrustModel, BlindInjectionFromThePeersAddressIsRejectedByTheToken) {
+  auto a = Context::open(options_for(Mode::stellar, false)).value();
+  auto b = Context::open(options_for(Mode::stellar, false)).value();
+  auto pd_a = a->allocate_pd().value(), pd_b = b->allocate_pd().value();
+  auto cq_a = a->create_cq(16).value(), cq_b = b->create_cq(16).value();
+  QpInitAttributes qa;
+  qa.send_cq = qa.recv_cq = cq_a;
+  auto qp_a = pd_a->create_qp(qa).value();
+  qa.send_cq = qa.recv_cq = cq_b;
+  auto qp_b = pd_b->create_qp(qa).value();
+  Relay relay(a->local_port(), b->local_port());
+  const QpEndpoint ea = qp_a->local_endpoint(), eb = qp_b->local_endpoint();
+  ASSERT_NE(eb.token, 0u);
+  QpEndpoint b_via_relay = eb, a_via_relay = ea;
+  b_via_relay.udp_port = relay.facing_a.port;
+  a_via_relay.udp_port = relay.facing_b.port;
+  for (auto [qp, remote] : {std::pair{qp_a, b_via_relay}, std::pair{qp_b, a_via_relay}}) {
+    QpModify m;
+    m.state = QpState::init;
+    ASSERT_TRUE(qp->modify(m).ok());
+    m.state = QpState::rtr;
+    m.remote = remote;
+    ASSERT_TRUE(qp->modify(m).ok());
+    m.state = QpState::rts;
+    ASSERT_TRUE(qp->modify(m).ok());
+  }
+  std::vector<uint8_t> target(4096, 0x11), source(64);
+  auto tmr = pd_b->register_memory(target.data(), target.size(), access_local_write | access_remote_write).value();
+  auto smr = pd_a->register_memory(source.data(), source.size(), access_local_write).value();
+  auto drive = [&](const std::function<bool()>& done, std::chrono::milliseconds limit) {
+    const auto deadline = std::chrono::steady_clock::now() + limit;
+    while (!done() && std::chrono::steady_clock::now() < deadline) {
+      a->progress();
+      b->progress();
+    }
+    return done();
+  };
+  auto write = [&](const std::vector<uint8_t>& data) {
+    std::copy(data.begin(), data.end(), source.begin());
+    Sge s{reinterpret_cast<uint64_t>(source.data()), uint32_t(source.size()), smr->lkey()};
+    SendWr wr;
+    wr.opcode = WrOpcode::rdma_write;
+    wr.sg_list = {&s, 1};
+    wr.remote_addr = tmr->addr();
+    wr.rkey = tmr->rkey();
+    EXPECT_TRUE(qp_a->post_send(wr).ok());
+    WorkCompletion wc{};
+    wc.status = WcStatus::retry_exceeded;
+    drive([&] { return cq_a->poll({&wc, 1}) == 1; }, 10000ms);
+    return wc.status;
+  };
+  auto same = [&](const std::vector<uint8_t>& data) { return std::equal(data.begin(), data.end(), target.begin()); };
+
+  const auto first = pattern(64, 1);
+  ASSERT_EQ(write(first), WcStatus::success) << "the relay carries the connection";
+  ASSERT_TRUE(same(first));
+
+  // The real writer's next PSN: its first one plus the one packet it sent.
+  const uint32_t next_psn = ea.psn + 1;
+  const std::vector<uint8_t> evil(64, 0xee);
+  const uint64_t guesses[] = {0, 1, ea.token, ~eb.token, eb.token ^ 1, eb.token ^ (1ull << 63), 0x0123456789abcdefull};
+  const ContextCounters before = b->counters();
+  for (uint64_t guess : guesses) relay.facing_b.send_to(forge_write(eb.qp_num, next_psn, guess, tmr->addr(), tmr->rkey(), evil), b->local_port());
+  TestSocket elsewhere;  // same host, another port: the peer-address filter's case
+  elsewhere.send_to(forge_write(eb.qp_num, next_psn, eb.token, tmr->addr(), tmr->rkey(), evil), b->local_port());
+  const uint64_t forged = std::size(guesses);
+  EXPECT_TRUE(drive([&] {
+    const ContextCounters c = b->counters();
+    return c.rx_dropped_bad_token - before.rx_dropped_bad_token == forged &&
+           c.rx_dropped_unknown_qp - before.rx_dropped_unknown_qp == 1;
+  }, 5000ms));
+  drive([] { return false; }, 50ms);  // anything else they might have caused has happened by now
+  const ContextCounters after = b->counters();
+  EXPECT_EQ(after.rx_dropped_bad_token - before.rx_dropped_bad_token, forged) << "rejected by the token";
+  EXPECT_EQ(after.rx_dropped_unknown_qp - before.rx_dropped_unknown_qp, 1u) << "rejected by the peer-address filter";
+  EXPECT_EQ(after.rx_access_errors, before.rx_access_errors);
+  EXPECT_EQ(after.rx_duplicates, before.rx_duplicates);
+  EXPECT_TRUE(same(first)) << "nothing forged landed";
+  EXPECT_EQ(qp_b->state(), QpState::rts);
+
+  const auto second = pattern(64, 2);
+  EXPECT_EQ(write(second), WcStatus::success);
+  EXPECT_TRUE(same(second)) << "the real WRITE at the PSN the forgeries aimed at landed";
+  EXPECT_EQ(b->counters().rx_dropped_bad_token - before.rx_dropped_bad_token, forged);
+  EXPECT_EQ(a->counters().rx_dropped_bad_token, 0u);
+
+  // Control: with the token (an attacker who read the connection manager's
+  // exchange or the traffic) the same forgery lands.
+  relay.facing_b.send_to(forge_write(eb.qp_num, ea.psn + 2, eb.token, tmr->addr(), tmr->rkey(), evil), b->local_port());
+  EXPECT_TRUE(drive([&] { return same(evil); }, 5000ms)) << "the forged packet was valid but for its token";
 }
 
 TEST(Providers, VerbsWithoutDeviceSaysSo) {

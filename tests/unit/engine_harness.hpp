@@ -123,6 +123,7 @@ class Channel {
 
 // Side A and side B of one connection.
 struct Pair {
+  static constexpr uint64_t token_a = 0x5eed0000a11ce001ull, token_b = 0x5eed0000b0b00002ull;
   FakeMemory memory_a, memory_b;
   Collector cq_a, cq_b;
   std::unique_ptr<QpEngine> a, b;
@@ -142,6 +143,12 @@ struct Pair {
     cb.local_qpn = 0x22;
     cb.remote_qpn = 0x11;
     ca.send_psn = cb.receive_psn = mode == Mode::roce ? 0xfffff0 : 0xfffffff0;  // exercise wrap-around
+    // stellar: every packet carries the receiver's connection token, as the
+    // soft provider configures it (unless the test chose its own).
+    if (mode == Mode::stellar && base.local_token == 0 && base.remote_token == 0) {
+      ca.local_token = cb.remote_token = token_a;
+      cb.local_token = ca.remote_token = token_b;
+    }
     cb.send_psn = ca.receive_psn = 77;
     a = std::make_unique<QpEngine>(ca, memory_a, cq_a);
     b = std::make_unique<QpEngine>(cb, memory_b, cq_b);

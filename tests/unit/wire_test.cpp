@@ -33,6 +33,7 @@ Header sample(uint8_t op) {
   h.ack_psn = 42;
   h.sack_bitmap = 0x5;
   h.ack_delay_ns = 123'456;
+  h.token = 0x0123456789abcdefull;
   return h;
 }
 
@@ -85,6 +86,9 @@ TEST_P(WireModes, EveryOpcodeRoundTrips) {
       EXPECT_EQ(d.ack_psn, 42u);
       EXPECT_EQ(d.sack_bitmap, 5u);
       EXPECT_EQ(d.ack_delay_ns, 123'456u);
+      EXPECT_EQ(d.token, 0x0123456789abcdefull);
+    } else {
+      EXPECT_EQ(d.token, 0u) << "roce mode has no token on the wire";
     }
     // Every truncation is caught.
     for (size_t cut = 0; cut < n; ++cut) EXPECT_NE(decode(mode, buf.data(), cut, addresses, d), DecodeError::none) << cut;
@@ -191,5 +195,77 @@ TEST(StellarWire, Crc32cMatchesReferenceEverywhere) {
   const uint32_t whole = crc32c_extend(~0u, data.data(), 2000);
   EXPECT_EQ(crc32c_extend(crc32c_extend(~0u, data.data(), 700), data.data() + 700, 1300), whole);
   EXPECT_EQ(~whole, crc32c(data.data(), 2000));
+}
+}  // namespace
+
+namespace {
+using namespace stellar::offload;
+
+// The connection token: 8 bytes at offset 32 of the version-2 base header
+// (40 bytes), big-endian, under the CRC like everything else; roce mode stays
+// byte-exact RoCEv2 (no token).
+TEST(StellarWire, TokenSitsAtOffset32AndRoundTrips) {
+  Header h;
+  h.opcode = opcode::acknowledge;
+  h.syndrome = syndrome::ack;
+  for (uint64_t token : {0ull, 1ull, 0x8000000000000000ull, 0xfedcba9876543210ull, ~0ull}) {
+    h.token = token;
+    std::vector<uint8_t> buf(128, 0);
+    const size_t n = encode(Mode::stellar, h, buf.data(), buf.size(), {});
+    ASSERT_EQ(n, 40u + 4u + 4u) << "base 40, AETH 4, CRC 4";
+    EXPECT_EQ(buf[0], 0x53);
+    EXPECT_EQ(buf[1], 2) << "version 2";
+    EXPECT_EQ(buf[6] << 8 | buf[7], 44) << "header length";
+    uint64_t on_wire = 0;
+    for (int i = 0; i < 8; ++i) on_wire = on_wire << 8 | buf[32 + size_t(i)];
+    EXPECT_EQ(on_wire, token);
+    Header d;
+    ASSERT_EQ(decode(Mode::stellar, buf.data(), n, {}, d), DecodeError::none);
+    EXPECT_EQ(d.token, token);
+    // A token changed in flight without fixing the CRC is caught as corruption.
+    buf[39] ^= 1;
+    EXPECT_EQ(decode(Mode::stellar, buf.data(), n, {}, d), DecodeError::bad_checksum);
+  }
+  // roce: the token does not change a byte.
+  std::vector<uint8_t> with(128, 0), without(128, 0);
+  Header r = sample(opcode::write_only);
+  r.payload_length = 0;
+  const size_t a = encode(Mode::roce, r, without.data(), without.size(), {});
+  r.token = 0xfedcba9876543210ull;
+  const size_t b = encode(Mode::roce, r, with.data(), with.size(), {});
+  ASSERT_EQ(a, b);
+  EXPECT_EQ(with, without);
+}
+
+// A version-1 peer (32-byte base header, no token) is refused as bad_version,
+// whatever its length, rather than misread as truncated or corrupt.
+TEST(StellarWire, VersionOnePacketsAreRefused) {
+  // A well-formed version-1 ACK: base 32 + AETH 4 + CRC-32C 4.
+  std::vector<uint8_t> v1(40, 0);
+  v1[0] = 0x53;
+  v1[1] = 1;
+  v1[2] = opcode::acknowledge;
+  v1[4] = v1[5] = 0xff;  // pkey
+  v1[7] = 36;            // header length
+  v1[11] = 0x22;         // destination QPN
+  v1[32] = syndrome::ack;
+  const uint32_t crc = crc32c(v1.data(), 36);
+  for (int i = 0; i < 4; ++i) v1[36 + size_t(i)] = uint8_t(crc >> (24 - 8 * i));
+  Header d;
+  EXPECT_EQ(decode(Mode::stellar, v1.data(), v1.size(), {}, d), DecodeError::bad_version);
+  for (size_t cut = 2; cut < v1.size(); ++cut)
+    EXPECT_EQ(decode(Mode::stellar, v1.data(), cut, {}, d), DecodeError::bad_version) << cut;
+  // A version-2 packet relabelled as version 1 (CRC recomputed) too, and any other version.
+  Header h = sample(opcode::write_only);
+  h.payload_length = 0;
+  h.message_length = 0;
+  std::vector<uint8_t> buf(128, 0);
+  const size_t n = encode(Mode::stellar, h, buf.data(), buf.size(), {});
+  for (uint8_t version : {uint8_t(0), uint8_t(1), uint8_t(3), uint8_t(0xff)}) {
+    buf[1] = version;
+    const uint32_t c = crc32c(buf.data(), n - 4);
+    for (int i = 0; i < 4; ++i) buf[n - 4 + size_t(i)] = uint8_t(c >> (24 - 8 * i));
+    EXPECT_EQ(decode(Mode::stellar, buf.data(), n, {}, d), DecodeError::bad_version) << int(version);
+  }
 }
 }  // namespace

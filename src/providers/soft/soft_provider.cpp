@@ -4,13 +4,16 @@
 // Locking: one mutex per context guards tenants, memory tables, QPs and their
 // engines; it is taken once per progress batch, not per packet. Each CQ has
 // its own mutex (order: context, then CQ).
+#include <arpa/inet.h>
 #include <poll.h>
 #include <sys/eventfd.h>
+#include <sys/random.h>
 #include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -35,6 +38,27 @@ namespace off = stellar::offload;
 constexpr int rx_batch = 32;
 constexpr int tx_batch = 64;
 
+// 64 bits from the kernel CSPRNG (getrandom(2)): connection tokens, memory
+// keys, QP numbers and initial PSNs must not be predictable from earlier ones
+// (docs/security.md). Requests of 8 bytes are never short once the pool is
+// initialised; EINTR (a signal while it is not) is retried. Kernels without
+// getrandom (before 3.17) fall back to /dev/urandom.
+uint64_t kernel_random() {
+  uint64_t v = 0;
+  auto* p = reinterpret_cast<uint8_t*>(&v);
+  size_t got = 0;
+  while (got < sizeof v) {
+    const ssize_t n = ::getrandom(p + got, sizeof v - got, 0);
+    if (n > 0) {
+      got += size_t(n);
+    } else if (n < 0 && errno != EINTR) {
+      std::random_device urandom("/dev/urandom");
+      return uint64_t(urandom()) << 32 | urandom();
+    }
+  }
+  return v;
+}
+
 uint64_t monotonic_ns() {
   timespec t;
   clock_gettime(CLOCK_MONOTONIC, &t);
@@ -57,6 +81,30 @@ void accumulate(off::EngineCounters& sum, const off::EngineCounters& e) {
   sum.out_of_window += e.out_of_window, sum.access_errors += e.access_errors, sum.decode_errors += e.decode_errors;
   sum.rnr_naks_sent += e.rnr_naks_sent, sum.unexpected_packets += e.unexpected_packets;
   sum.requests_dropped_full += e.requests_dropped_full;
+  sum.bad_token += e.bad_token;
+}
+
+// A remote endpoint the engine can work with (modify to RTR): the engine
+// divides by the MTU and addresses 24-bit QP numbers; stellar mode needs the
+// peer's connection token.
+Status check_remote(const QpEndpoint& r, Mode mode) {
+  auto bad = [](const std::string& what) { return Status(Errc::invalid_argument, "RTR: remote endpoint " + what); };
+  if (r.mtu < 256) return bad("mtu " + std::to_string(r.mtu) + " is below 256");
+  if (r.qp_num == 0 || r.qp_num > 0xffffff) return bad("qp_num " + std::to_string(r.qp_num) + " is not in [1, 0xffffff]");
+  if (r.udp_port == 0) return bad("udp_port 0");
+  if (mode == Mode::stellar && r.token == 0)
+    return bad("token 0: a stellar-mode peer must send its connection token (a connection manager without token support?)");
+  return {};
+}
+
+// The peer's IPv4 address must name one host: not 0.0.0.0, the broadcast
+// address or a multicast group.
+Status check_peer_address(const sockaddr_in& a, const std::string& text) {
+  const uint32_t ip = ntohl(a.sin_addr.s_addr);
+  if (ip == 0 || ip == 0xffffffffu || (ip >> 28) == 0xe)
+    return Status(Errc::invalid_argument, "RTR: remote endpoint address " + text +
+                                              " is not a unicast host address (0.0.0.0, broadcast or multicast)");
+  return {};
 }
 
 // GPU memory registered on the soft provider. The engine works with the CPU,
@@ -199,7 +247,6 @@ struct StagingJob {
 struct Tenant {
   std::string name;
   uint16_t pkey = 0;
-  std::mt19937_64 random{std::random_device{}()};
   std::unordered_map<uint32_t, MrEntry> by_rkey;
   std::unordered_map<uint32_t, uint32_t> lkey_to_rkey;
   std::unordered_map<uint32_t, bool> qpns;
@@ -213,13 +260,13 @@ struct Tenant {
 
   uint32_t fresh_key() {
     for (;;) {
-      const uint32_t k = uint32_t(random());
+      const uint32_t k = uint32_t(kernel_random());
       if (k != 0 && !by_rkey.count(k) && !lkey_to_rkey.count(k)) return k;
     }
   }
   uint32_t fresh_qpn() {
     for (;;) {
-      const uint32_t q = uint32_t(random() & 0xffffff);
+      const uint32_t q = uint32_t(kernel_random() & 0xffffff);
       if (q > 1 && !qpns.count(q)) return q;
     }
   }
@@ -623,8 +670,11 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
         pkey_(pkey),
         send_slots_(std::max<uint32_t>(attr.cap.max_send_wr, 1)),
         recv_slots_(std::max<uint32_t>(attr.cap.max_recv_wr, 1)) {
-    std::random_device r;
-    psn_ = r() & 0xffffff;
+    psn_ = uint32_t(kernel_random() & 0xffffff);
+    // stellar mode: this QP's connection token, the secret every packet to it
+    // must carry (docs/security.md). Never 0: 0 means "no token" (roce mode).
+    if (context().options_.mode == Mode::stellar)
+      while (token_ == 0) token_ = kernel_random();
   }
   ~SoftQp() override {
     SoftContext& c = context();
@@ -668,8 +718,10 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
           return Status(Errc::invalid_argument, std::string("peer speaks mode ") + to_string(m.remote.mode) + ", this context " +
                                                     to_string(c.options_.mode));
         if (m.remote.pkey != pkey_) return Status(Errc::permission_denied, "peer QP belongs to another partition (tenant)");
+        if (Status st = check_remote(m.remote, c.options_.mode); !st.ok()) return st;
         auto peer = io::parse_ipv4(m.remote.address, m.remote.udp_port);
         if (!peer) return peer.status();
+        if (Status st = check_peer_address(*peer, m.remote.address); !st.ok()) return st;
         peer_ = *peer;
         off::EngineConfig e;
         e.mode = c.options_.mode == Mode::roce ? off::Mode::roce : off::Mode::stellar;
@@ -679,6 +731,8 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
         e.pkey = pkey_;
         e.local_qpn = qpn_;
         e.remote_qpn = m.remote.qp_num;
+        e.local_token = token_;
+        e.remote_token = m.remote.token;
         e.send_psn = psn_;
         e.receive_psn = m.remote.psn;
         e.rto_min_ns = e.rto_initial_ns = uint64_t(m.timing.rto_min.count());
@@ -848,7 +902,7 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
 
   QpEndpoint local_endpoint() const override {
     SoftContext& c = const_cast<SoftQp*>(this)->context();
-    return QpEndpoint{c.local_address(), c.local_port(), qpn_, psn_, c.options_.mtu, pkey_, c.options_.mode, {}, 0};
+    return QpEndpoint{c.local_address(), c.local_port(), qpn_, psn_, c.options_.mtu, pkey_, c.options_.mode, {}, 0, token_};
   }
 
   // MemoryAccess: remote keys of this QP's tenant, for regions of this PD.
@@ -1087,6 +1141,7 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
   uint32_t qpn_;
   uint16_t pkey_;
   uint32_t psn_ = 0;
+  uint64_t token_ = 0;  // stellar mode: what the peer must put on every packet to this QP
   uint32_t access_ = 0;
   Tenant* tenant_ = nullptr;
   QpState state_ = QpState::reset;
@@ -1465,6 +1520,7 @@ ContextCounters SoftContext::counters() const {
   c.rx_access_errors = sum.access_errors;
   c.rnr_naks_sent = sum.rnr_naks_sent;
   c.rx_requests_dropped_full = sum.requests_dropped_full;
+  c.rx_dropped_bad_token = sum.bad_token;
   c.fault_dropped = fault_dropped_;
   c.fault_duplicated = fault_duplicated_;
   c.fault_reordered = fault_reordered_;

@@ -1,5 +1,5 @@
 // The offload engine: one reliable-connection (RC) queue pair's transport as a
-// pure state machine (design.md, principle 1).
+// pure state machine (docs/design.md, principle 1).
 //
 // The host drives it: it posts work, hands in received datagrams together with
 // the current time, asks for datagrams to send, and asks when the next timer
@@ -147,6 +147,15 @@ struct EngineConfig {
   uint16_t pkey = default_pkey;    // the tenant's partition key
   uint32_t local_qpn = 0;
   uint32_t remote_qpn = 0;
+  // stellar mode: the connection tokens (docs/security.md). local_token is
+  // what the peer must put on every packet to this QP: a packet carrying
+  // another value is dropped before it touches any state (bad_token).
+  // remote_token is what this QP puts on every packet it sends (the peer's
+  // local_token). Hosts draw them from a CSPRNG; 0 is a valid value here (the
+  // unit tests leave both 0), the soft provider never uses it. roce mode has
+  // no token on the wire and ignores both.
+  uint64_t local_token = 0;
+  uint64_t remote_token = 0;
   uint32_t send_psn = 0;           // first PSN this side sends
   uint32_t receive_psn = 0;        // first PSN expected from the peer
   uint64_t rto_initial_ns = 1'000'000;
@@ -163,6 +172,13 @@ struct EngineConfig {
                                             // piece in one burst, which the requester's socket must hold
   uint32_t max_rd_atomic = 16;       // READs + atomics this side keeps outstanding (verbs max_rd_atomic;
                                      // below the responder's atomic replay cache of 32)
+  // roce: responses (READ data, atomic and other acknowledgements) one
+  // transmit() call emits at most. A READ's responses then leave in bursts
+  // with the host's receive in between, as a NIC's leave at link rate, so
+  // that a duplicate READ request (the requester went back to a lost
+  // response) still finds most of them queued and cuts them short, instead
+  // of all of them being in the requester's socket already.
+  uint32_t max_response_burst = 32;
   CcAlgorithm cc = CcAlgorithm::none;
   CcConfig cc_config{};
   IcrcAddresses tx_addresses{};    // roce mode ICRC of what we send
@@ -194,6 +210,8 @@ struct EngineCounters {
   uint64_t access_errors = 0;       // bad rkey / bounds / rights: NAK, nothing written
   uint64_t invalid_requests = 0;    // malformed but well-checksummed requests: NAK
   uint64_t decode_errors = 0;       // truncated, bad opcode, bad checksum: dropped
+  uint64_t bad_token = 0;           // stellar: well-formed, but not this connection's token (forged or
+                                    // stale): dropped before touching any state; not in rx_packets/rx_bytes
   uint64_t unexpected_packets = 0;  // responses/acks that match nothing outstanding: dropped
   // READ/atomic requests the responder had no room for (all 16 slots for
   // requests ahead of a gap taken, or its READ response queue full):
@@ -229,7 +247,10 @@ class QpEngine {
   void receive_decoded(const Header&, uint64_t now_ns, uint64_t arrival_ns = 0);
 
   // Fills up to `count` buffers with datagrams due now (responses, retransmits,
-  // new data, ACKs, in that order) and returns how many.
+  // new data, ACKs, in that order) and returns how many. It may return fewer
+  // than `count` while more is due (roce: at most max_response_burst
+  // responses a call); next_wakeup_ns() then says now: hand in what arrived,
+  // and call again.
   size_t transmit(TxBuffer* buffers, size_t count, uint64_t now_ns);
 
   // The earliest time transmit() could produce something without new input;

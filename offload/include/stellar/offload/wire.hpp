@@ -11,6 +11,8 @@
 //                   packet says where it goes (message offset, remote address)
 //                   so it can be placed in any order; acknowledgements carry a
 //                   SACK bitmap and ride on data packets. 32-bit PSNs.
+//                   Every packet carries the receiver's 64-bit connection
+//                   token (docs/security.md).
 #pragma once
 
 #include <cstddef>
@@ -81,6 +83,10 @@ struct Header {
   uint16_t pkey = default_pkey;  // partition key; carries the tenant
   uint32_t dest_qpn = 0;
   uint32_t psn = 0;
+  // stellar mode only: the receiving QP's connection token, a per-connection
+  // secret the peer must put on every packet (docs/security.md). Not on the
+  // wire in roce mode (decodes as 0).
+  uint64_t token = 0;
   // RETH (write first/only, read request) or, in stellar mode, every
   // write/read packet: start address of the message, rkey, total length.
   uint64_t remote_addr = 0;
@@ -126,7 +132,7 @@ struct IcrcAddresses {
 enum class DecodeError : uint8_t {
   none,
   truncated,
-  bad_version,
+  bad_version,   // stellar: wrong magic or version (a version-1 peer); roce: TVer != 0
   bad_opcode,
   bad_checksum,
   bad_length,
@@ -159,7 +165,8 @@ size_t encode_scattered(Mode, const Header& h, uint8_t* out, size_t capacity, co
 DecodeError decode(Mode, const uint8_t* data, size_t length, const IcrcAddresses& addresses, Header& h);
 
 // Reads only the demultiplexing fields (pkey, destination QPN) without
-// verifying anything else; false when the datagram is too short.
+// verifying anything else (not even the stellar token: the engine checks
+// it); false when the datagram is too short.
 bool peek_destination(Mode, const uint8_t* data, size_t length, uint16_t& pkey, uint32_t& dest_qpn);
 
 // RoCEv2 ICRC of a complete datagram whose last 4 bytes are the ICRC slot
