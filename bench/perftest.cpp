@@ -34,6 +34,8 @@
 using namespace stellar;
 using Clock = std::chrono::steady_clock;
 
+void print_counters(const ContextCounters& c);
+
 namespace {
 
 enum class Op { write, read, send, atomic };
@@ -63,6 +65,7 @@ struct Options {
   std::string cc = "auto";
   uint32_t cc_target_delay_us = 0;  // 0: the provider's default
   std::string wait = "busy";        // busy: spin on the CQ (perftest's way); adaptive: spin 50 us, then sleep
+  uint32_t wait_client = 300;       // seconds the server waits for its clients to connect
 };
 
 struct Remote {
@@ -94,6 +97,8 @@ struct Side {
   std::vector<std::shared_ptr<void>> connections;  // rdma_cm: each connection's id, kept while the QPs run
   Remote remote{};
   bool peer_done = false;  // the end-of-run marker arrived (possibly while draining other work)
+  uint64_t received = 0;           // latency runs: receive completions so far, every size
+  uint64_t receives_consumed = 0;  // latency runs: receives the finished sizes' messages used
   std::vector<WorkCompletion> wc = std::vector<WorkCompletion>(64);
 
   // Polls once (adaptive: waits up to 1 ms, sleeping after the spin time);
@@ -110,6 +115,7 @@ struct Side {
       if (out[size_t(i)].status != WcStatus::success) {
         std::fprintf(stderr, "perftest: completion of wr %llu failed: %s\n", (unsigned long long)out[size_t(i)].wr_id,
                      to_string(out[size_t(i)].status));
+        print_counters(ctx->counters());
         std::exit(1);
       }
       if (out[size_t(i)].has_imm && out[size_t(i)].imm_data == done_imm) peer_done = true;
@@ -169,20 +175,48 @@ void setup(Side& side) {
                 o.bind.c_str(), listener->port(), o.qps);
     std::fflush(stdout);
   }
-  for (uint32_t i = 0; i < o.qps; ++i) {
+  // A QP in INIT with the receives the peer's SENDs and WRITEs with
+  // immediate need, posted before connecting.
+  auto fresh_qp = [&] {
     auto qp = check(side.pd->create_qp(qa), "create QP");
     QpModify init;
     init.state = QpState::init;
     check(qp->modify(init), "modify INIT");
-    // Receives the peer's SENDs and WRITEs with immediate need, posted before connecting.
     for (uint32_t r = 0; r < 512; ++r) side.post_recv(*qp, r, uint32_t(side.landing.size()));
+    return qp;
+  };
+  const auto give_up = Clock::now() + std::chrono::seconds(o.wait_client);
+  for (uint32_t i = 0; i < o.qps; ++i) {
     std::vector<uint8_t> theirs;
+    std::shared_ptr<QueuePair> qp;
     if (listener) {
-      auto request = check(listener->get_request(std::chrono::minutes(5)), "wait for client");
-      theirs = request->private_data();
-      check(request->accept(*qp, blob), "accept");
-      side.connections.push_back(std::shared_ptr<cm::ConnectionRequest>(std::move(request)));
+      // A failed connection attempt (a client that closes, a malformed
+      // request) costs that attempt only; the server waits for the next.
+      for (;;) {
+        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(give_up - Clock::now());
+        if (left.count() <= 0) fail("wait for client", Status(Errc::timeout, "no client connected within " + std::to_string(o.wait_client) + " s"));
+        auto waited = listener->get_request(left);
+        if (!waited && waited.status().code() == Errc::timeout)
+          fail("wait for client", Status(Errc::timeout, "no client connected within " + std::to_string(o.wait_client) + " s"));
+        auto request = check(std::move(waited), "wait for client");
+        if (request->private_data().size() != sizeof(Remote)) {
+          (void)request->reject("expected a buffer description (address, rkey) as private data");
+          std::fprintf(stderr, "perftest: refused a client from %s: no buffer description\n", request->remote().address.c_str());
+          continue;
+        }
+        auto candidate = fresh_qp();
+        if (Status s = request->accept(*candidate, blob); !s.ok()) {
+          std::fprintf(stderr, "perftest: a connection attempt from %s failed (%s); waiting for the next\n", request->remote().address.c_str(),
+                       s.to_string().c_str());
+          continue;
+        }
+        theirs = request->private_data();
+        qp = candidate;
+        side.connections.push_back(std::shared_ptr<cm::ConnectionRequest>(std::move(request)));
+        break;
+      }
     } else {
+      qp = fresh_qp();
       cm::ConnectOptions c;
       c.private_data = blob;
       c.timeout = std::chrono::seconds(30);
@@ -227,8 +261,17 @@ void send_done(Side& side, QueuePair& qp) {
   }
 }
 
-// Serves one-sided traffic until the peer's end-of-run marker.
+// Serves one-sided traffic until the peer's end-of-run marker. One-sided
+// traffic makes no completions here, so a client killed mid-run would leave
+// the server waiting forever: a client that sends nothing at all (no
+// request, no acknowledgement) for idle_limit is taken for dead. A probe of
+// our own (a keepalive READ) was tried first and dropped: under loss, a
+// READ-response flood to that very client fills its socket and the probe's
+// retries run out while the client is alive.
 void serve_until_done(Side& side) {
+  constexpr auto idle_limit = std::chrono::seconds(10);
+  uint64_t last_rx = side.ctx->counters().rx_packets;
+  auto last_heard = Clock::now(), next_check = last_heard + std::chrono::seconds(1);
   while (!side.peer_done) {
     const int n = side.poll(side.wc);
     for (int i = 0; i < n; ++i) {
@@ -236,6 +279,19 @@ void serve_until_done(Side& side) {
       if (c.opcode == WcOpcode::recv || c.opcode == WcOpcode::recv_rdma_with_imm) {
         for (auto& qp : side.qps)
           if (qp->qp_num() == c.qp_num) side.post_recv(*qp, c.wr_id, uint32_t(side.landing.size()));
+      }
+    }
+    const auto now = Clock::now();
+    if (now >= next_check) {
+      next_check = now + std::chrono::seconds(1);
+      const uint64_t rx = side.ctx->counters().rx_packets;
+      if (rx != last_rx) {
+        last_rx = rx;
+        last_heard = now;
+      } else if (now - last_heard >= idle_limit) {
+        std::fprintf(stderr, "perftest: the client stopped answering: no packet from it for %lld s and no end-of-run marker; giving up\n",
+                     (long long)idle_limit.count());
+        std::exit(1);
       }
     }
   }
@@ -284,7 +340,10 @@ std::vector<double> latency_run(Side& side, uint64_t size) {
   const bool by_imm = op == Op::send || size > side.o.mtu;
   if (op == Op::write && by_imm) wr.opcode = WrOpcode::rdma_write_with_imm;
   volatile uint8_t* last = &side.landing[size - 1];
-  uint32_t received = 0, pending_sends = 0;
+  // Receives count across sizes: the peer's first message of the next size
+  // may complete while this side still drains its last send of this one.
+  uint64_t& received = side.received;
+  uint32_t pending_sends = 0;
   auto drain = [&] {
     const int k = side.poll(side.wc);
     for (int j = 0; j < k; ++j) {
@@ -298,12 +357,15 @@ std::vector<double> latency_run(Side& side, uint64_t size) {
     }
   };
   auto marker = [](uint32_t i) { return uint8_t(i % 255 + 1); };
-  auto wait_for = [&](uint32_t i, uint32_t base) {
+  auto wait_for = [&](uint32_t i, uint64_t base) {
     const auto deadline = Clock::now() + std::chrono::seconds(10);
     for (uint64_t spins = 0;; ++spins) {
       if (by_imm ? received > base : *last == marker(i)) return;
       drain();
-      if ((spins & 0xfff) == 0 && Clock::now() > deadline) fail("latency", Status(Errc::timeout, "no message from the peer within 10 s"));
+      if ((spins & 0xfff) == 0 && Clock::now() > deadline) {
+        print_counters(side.ctx->counters());
+        fail("latency", Status(Errc::timeout, "no " + std::to_string(size) + "-byte message " + std::to_string(i) + " from the peer within 10 s (peer gone?)"));
+      }
     }
   };
   auto send = [&](uint32_t i) {
@@ -313,7 +375,8 @@ std::vector<double> latency_run(Side& side, uint64_t size) {
     check(qp.post_send(wr), "post_send");
     ++pending_sends;
   };
-  const uint32_t base = received;
+  const uint64_t base = side.receives_consumed;
+  if (by_imm) side.receives_consumed += n;
   for (uint32_t i = 0; i < n; ++i) {
     if (client) {
       const auto start = Clock::now();
@@ -403,7 +466,8 @@ int main(int argc, char** argv) {
   if (bandwidth_test) app.add_option("-D,--duration", o.duration, "Run each size for this many seconds instead of -n");
   app.add_option("-q,--qp", o.qps, "Queue pairs (bandwidth tests spread over them)")->capture_default_str()->check(CLI::Range(1u, 64u));
   app.add_option("-t,--tx-depth", o.tx_depth, "Operations kept in flight (bandwidth)")->capture_default_str()->check(CLI::Range(1u, 4096u));
-  app.add_option("-m,--mtu", o.mtu, "Payload bytes per packet")->capture_default_str();
+  app.add_option("-m,--mtu", o.mtu, "Payload bytes per packet")->capture_default_str()->check(CLI::Range(256u, 16384u));
+  app.add_option("--wait_client", o.wait_client, "Server: seconds to wait for the client's connections")->capture_default_str()->check(CLI::Range(1u, 86400u));
   app.add_flag("--report_gbits", o.report_gbits, "Report bandwidth in Gbit/s");
   app.add_option("--wait", o.wait, "busy (spin on the CQ, as perftest) or adaptive (spin 50 us, then sleep: for more processes than cores)");
   app.add_option("--cc", o.cc, "Soft provider congestion control: auto, none, dcqcn or swift");

@@ -1,26 +1,60 @@
 #!/bin/bash
-# Runs every perftest-style program briefly over loopback (server + client)
-# and checks that the client prints a well-formed result row and valid JSON.
+# Every perftest-style program as a new user runs it: server + client over
+# loopback, every size from 2 B to 8 MiB (-a; atomics: 8 B), both wire
+# modes, without and with 1% injected loss; each size must print a
+# well-formed row, and the JSON must hold every size. Then a client killed
+# with SIGKILL mid-run: the server must notice and exit non-zero, with a
+# message, within a bound.
 set -euo pipefail
 dir="$1"
 port=$((40000 + RANDOM % 15000))
 lat_row='^ [0-9]+ +[0-9]+( +[0-9]+\.[0-9]+){7}$'
 bw_row='^ [0-9]+ +[0-9]+( +[0-9]+\.[0-9]+){3}$'
+log=$(mktemp)
+json=$(mktemp)
+trap 'rm -f "$log" "$json"' EXIT
 for program in write_lat read_lat send_lat atomic_lat write_bw read_bw send_bw; do
+  for mode in stellar roce; do
+    for faults in 0 0.01; do
+      port=$((port + 1))
+      args=(-a -n 5 --wait adaptive --mode "$mode")
+      [[ $program == *_bw ]] && args=(-a -n 8 -t 8 -q 2 --wait adaptive --mode "$mode")
+      expected=23
+      [[ $program == atomic_lat ]] && expected=1
+      STELLAR_FAULT_DROP=$faults timeout 300 "$dir/stellar_$program" -p "$port" "${args[@]}" > "$log" 2>&1 &
+      server=$!
+      out=$(STELLAR_FAULT_DROP=$faults timeout 300 "$dir/stellar_$program" 127.0.0.1 -p "$port" "${args[@]}" --out_json "$json") || {
+        echo "stellar_$program ($mode, loss $faults): client failed"; echo "$out"; cat "$log"; exit 1; }
+      wait "$server" || { echo "stellar_$program ($mode, loss $faults): server failed"; cat "$log"; exit 1; }
+      if [[ $program == *_bw ]]; then pattern=$bw_row; else pattern=$lat_row; fi
+      rows=0
+      while read -r line; do
+        if ! [[ " $line" =~ $pattern ]]; then echo "stellar_$program: malformed row: '$line'"; echo "$out"; exit 1; fi
+        rows=$((rows + 1))
+      done < <(echo "$out" | grep -E '^ [0-9]')
+      [[ $rows == "$expected" ]] || { echo "stellar_$program ($mode, loss $faults): $rows rows, expected $expected"; echo "$out"; exit 1; }
+      python3 -c "import json,sys; d=json.load(open('$json')); assert len(d['results']) == $expected and all(r['iterations'] > 0 for r in d['results'])" \
+        || { echo "stellar_$program: bad JSON"; exit 1; }
+      echo "stellar_$program $mode loss $faults: $rows sizes, last: $(echo "$out" | grep -E '^ [0-9]' | tail -1)"
+    done
+  done
+done
+
+# A client killed mid-run: one-sided traffic gives the server no completion
+# to fail, so it must find out by itself (its keepalive READ) and exit.
+for mode in stellar roce; do
   port=$((port + 1))
-  args=(-n 300 -s 4100)
-  [[ $program == *_bw ]] && args=(-n 200 -s 65536 -q 2)
-  [[ $program == atomic_lat ]] && args=(-n 300)
-  timeout 60 "$dir/stellar_$program" -p "$port" "${args[@]}" > /dev/null &
+  timeout 120 "$dir/stellar_write_bw" -p "$port" -D 60 --wait adaptive --mode "$mode" > "$log" 2>&1 &
   server=$!
-  json=$(mktemp)
-  out=$(timeout 60 "$dir/stellar_$program" 127.0.0.1 -p "$port" "${args[@]}" --out_json "$json")
-  wait "$server"
-  row=$(echo "$out" | grep -E '^ [0-9]' | head -1)
-  if [[ $program == *_bw ]]; then pattern=$bw_row; else pattern=$lat_row; fi
-  if ! [[ $row =~ $pattern ]]; then echo "stellar_$program: malformed row: '$row'"; echo "$out"; exit 1; fi
-  python3 -c "import json,sys; d=json.load(open('$json')); assert d['results'] and d['results'][0]['iterations'] > 0" \
-    || { echo "stellar_$program: bad JSON"; exit 1; }
-  rm -f "$json"
-  echo "stellar_$program: $row"
+  "$dir/stellar_write_bw" 127.0.0.1 -p "$port" -D 60 --wait adaptive --mode "$mode" > /dev/null 2>&1 &  # no timeout wrapper: $! is the client
+  client=$!
+  sleep 2
+  kill -9 "$client"
+  wait "$client" 2> /dev/null || true
+  start=$SECONDS
+  status=0
+  wait "$server" || status=$?
+  if [[ $status == 0 || $status == 124 ]]; then echo "write_bw server ($mode) after kill -9 of the client: exit $status"; cat "$log"; exit 1; fi
+  grep -q "stopped answering" "$log" || { echo "write_bw server ($mode): no clear message"; cat "$log"; exit 1; }
+  echo "write_bw server ($mode) noticed the dead client in $((SECONDS - start)) s: $(grep -o 'the client stopped.*' "$log")"
 done
