@@ -15,32 +15,88 @@ for variant in release asan; do
   echo "=== $variant tests ==="
   (cd "$dir" && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ctest --output-on-failure -j1 --timeout 600)
 done
-echo "=== libFuzzer: 60 s on the decoders and the engine's receive path ==="
+echo "=== libFuzzer: 45 s on the packet decoders and the engine's receive path ==="
 mkdir -p build-fuzz
 clang++ -std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -Ioffload/include \
   tests/fuzz/fuzz_receive.cpp offload/src/wire.cpp offload/src/engine.cpp offload/src/cc.cpp -lz -o build-fuzz/fuzz_receive
 rm -rf build-fuzz/corpus && cp -r tests/fuzz/corpus build-fuzz/corpus  # new inputs stay out of the source tree
-build-fuzz/fuzz_receive -max_total_time=60 -print_final_stats=1 build-fuzz/corpus 2>&1 | tail -4
+build-fuzz/fuzz_receive -max_total_time=45 -print_final_stats=1 build-fuzz/corpus 2>&1 | tail -4
+
+echo "=== libFuzzer: 45 s on the control plane's message handlers (connection manager, rendezvous) ==="
+clang++ -std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -Iinclude -Isrc -Ibuild-test-release/include \
+  tests/fuzz/fuzz_control.cpp src/core/control_messages.cpp src/core/names.cpp src/coll/rendezvous.cpp -o build-fuzz/fuzz_control
+rm -rf build-fuzz/corpus_control && cp -r tests/fuzz/corpus_control build-fuzz/corpus_control
+build-fuzz/fuzz_control -max_total_time=45 -max_len=65536 -print_final_stats=1 build-fuzz/corpus_control 2>&1 | tail -4
 
 echo "=== install check ==="
-prefix=$(mktemp -d)
-cmake --install build-test-release --prefix "$prefix" > /dev/null
-test -f "$prefix/include/stellar/stellar.hpp" && test -f "$prefix/lib/pkgconfig/stellar.pc" && test -f "$prefix/lib/cmake/Stellar/StellarConfig.cmake"
-consumer=$(mktemp -d)
-cat > "$consumer/CMakeLists.txt" <<'CM'
+# Shared libraries with SONAMEs, the programs, and two consumers of libstellar
+# and the collectives: one through pkg-config, one through find_package.
+# Then the static option (library only) with the same two consumers.
+check_dir=$(mktemp -d)
+trap 'rm -rf "$check_dir"' EXIT
+mkdir -p "$check_dir/consumer"
+cat > "$check_dir/consumer/main.cpp" <<'CPP'
+#include <stellar/coll.hpp>
+#include <stellar/stellar.hpp>
+#include <cstdio>
+#include <cstdlib>
+int main() {
+  setenv("RANK", "0", 1);
+  setenv("WORLD_SIZE", "1", 1);
+  auto options = stellar::coll::CommunicatorOptions::from_environment();  // libstellar_coll
+  if (!options.ok() || options->world_size != 1) return 1;
+  auto context = stellar::Context::open();  // libstellar
+  if (!context.ok()) return 2;
+  std::printf("consumer of stellar %s: ok\n", STELLAR_VERSION_STRING);
+  return 0;
+}
+CPP
+cat > "$check_dir/consumer/CMakeLists.txt" <<'CM'
 cmake_minimum_required(VERSION 3.25)
 project(consumer CXX)
 set(CMAKE_CXX_STANDARD 20)
-find_package(Stellar REQUIRED)
+find_package(Stellar 0.1 REQUIRED)
 add_executable(consumer main.cpp)
-target_link_libraries(consumer Stellar::stellar)
+target_link_libraries(consumer Stellar::stellar_coll Stellar::stellar)
 CM
-cat > "$consumer/main.cpp" <<'CPP'
-#include <stellar/stellar.hpp>
-int main() { auto c = stellar::Context::open(); return c.ok() ? 0 : 1; }
-CPP
-cmake -S "$consumer" -B "$consumer/build" -DCMAKE_PREFIX_PATH="$prefix" > /dev/null
-cmake --build "$consumer/build" > /dev/null
-"$consumer/build/consumer"
-rm -rf "$prefix" "$consumer"
-echo "installed package builds and runs a consumer: ok"
+# consumers <prefix> <name> [--static]: builds and runs both consumers of the
+# package installed under <prefix>.
+consumers() {
+  local prefix=$1 name=$2 static=${3:-}
+  test -f "$prefix/include/stellar/stellar.hpp" && test -f "$prefix/lib/pkgconfig/stellar.pc" &&
+    test -f "$prefix/lib/pkgconfig/stellar_coll.pc" && test -f "$prefix/lib/cmake/Stellar/StellarConfig.cmake"
+  # pkg-config: its flags, plus an explicit rpath to the prefix's lib (the
+  # .pc files give none); a static link has no libstellar*.so to find.
+  local flags
+  flags=$(PKG_CONFIG_PATH="$prefix/lib/pkgconfig" pkg-config $static --cflags --libs stellar_coll stellar)
+  echo "pkg-config $static --cflags --libs stellar_coll stellar: $flags"
+  # shellcheck disable=SC2086
+  g++ -O1 "$check_dir/consumer/main.cpp" -o "$check_dir/pc-$name" $flags -Wl,-rpath,"$prefix/lib"
+  "$check_dir/pc-$name"
+  # find_package: CMake's build RPATH points at the imported libraries.
+  cmake -S "$check_dir/consumer" -B "$check_dir/cmake-$name" -G Ninja -DCMAKE_PREFIX_PATH="$prefix" > /dev/null
+  cmake --build "$check_dir/cmake-$name" > /dev/null
+  "$check_dir/cmake-$name/consumer"
+}
+prefix="$check_dir/shared"
+cmake --install build-test-release --prefix "$prefix" > /dev/null
+readelf -d "$prefix/lib/libstellar.so.0" | grep -q 'Library soname: \[libstellar.so.0\]'
+readelf -d "$prefix/lib/libstellar_coll.so.0" | grep -q 'Library soname: \[libstellar_coll.so.0\]'
+test ! -e "$prefix/lib/libstellar_offload.a"  # linked into libstellar.so, not needed by its users
+for program in stellar stellar_pingpong stellar_allreduce stellar_atomic_lat \
+    stellar_{write,read,send}_{lat,bw}; do
+  test -x "$prefix/bin/$program"
+done
+"$prefix/bin/stellar_pingpong" --help > /dev/null  # the installed RUNPATH finds libstellar.so.0
+"$prefix/bin/stellar_allreduce" --help > /dev/null
+consumers "$prefix" shared
+echo "shared install (SONAME libstellar.so.0, programs, pkg-config and find_package consumers): ok"
+# The static option: the libraries alone (no tests, examples, bench or tools).
+cmake -S . -B build-test-static -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSTELLAR_SHARED=OFF \
+  -DSTELLAR_BUILD_TESTS=OFF -DSTELLAR_BUILD_EXAMPLES=OFF -DSTELLAR_BUILD_BENCH=OFF -DSTELLAR_BUILD_TOOLS=OFF > /dev/null
+ninja -C build-test-static -j"$jobs" > /dev/null
+prefix="$check_dir/static"
+cmake --install build-test-static --prefix "$prefix" > /dev/null
+test -f "$prefix/lib/libstellar.a" && test -f "$prefix/lib/libstellar_offload.a" && test ! -e "$prefix/lib/libstellar.so"
+consumers "$prefix" static --static
+echo "static install (pkg-config --static and find_package consumers): ok"
