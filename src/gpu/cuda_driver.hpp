@@ -1,4 +1,4 @@
-// The CUDA driver API, loaded at run time (design.md, principle 6): libstellar
+// The CUDA driver API, loaded at run time (docs/design.md, principle 6): libstellar
 // has no link-time CUDA dependency and runs where no GPU or driver exists.
 // CudaDriver::load() dlopens libcuda.so.1 and resolves the few entry points
 // GPU memory registration needs; the types and constants below carry the
