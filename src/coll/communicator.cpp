@@ -479,7 +479,8 @@ Status Comm::serve_rendezvous(const json& own, std::vector<json>& table) {
   // connection is refused on its own and the rendezvous keeps waiting for
   // the real ranks until the job's timeout.
   control::LineServer::Options server_options;
-  server_options.max_line = max_hello_bytes(size_);
+  server_options.max_line = max_hello_bytes(size_, options_.qps_per_peer);
+  server_options.share_io = true;  // one io_context for every rank's channel: rank 0 uses them from this thread only
   server_options.refusal_type = "error";
   server_options.what = "coll: rendezvous";
   control::LineServer server(server_options, [&](const json& h) -> Status {
@@ -540,7 +541,7 @@ Status Comm::serve_rendezvous(const json& own, std::vector<json>& table) {
 Status Comm::join_rendezvous(const json& own, std::vector<json>& table, Clock::time_point deadline) {
   asio::io_context io;
   // The table holds every rank's hello.
-  Channel channel(io, max_hello_bytes(size_) * size_t(size_) + 4096);
+  Channel channel(io, max_hello_bytes(size_, options_.qps_per_peer) * size_t(size_) + 4096);
   const std::string master = resolve(options_.master_address).value().to_string();
   if (Status s = control::connect_with_retry(channel, master, options_.master_port, deadline); !s.ok())
     return Status(s.code(), "rank " + std::to_string(rank_) + " cannot reach the rendezvous at rank 0 (MASTER_ADDR/MASTER_PORT): " + s.message());

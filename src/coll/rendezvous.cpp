@@ -1,5 +1,6 @@
 #include "coll/rendezvous.hpp"
 
+#include <algorithm>
 #include <string>
 
 namespace stellar::coll {
@@ -19,12 +20,14 @@ Status malformed(int rank, const std::string& why) {
 
 }  // namespace
 
-size_t max_hello_bytes(int world) { return 4096 + size_t(world) * (max_qps_per_peer * max_endpoint_bytes + 64); }
+size_t max_hello_bytes(int world, uint32_t qps_per_peer) {
+  return 4096 + size_t(world) * (std::min<size_t>(qps_per_peer, max_qps_per_peer) * max_endpoint_bytes + 64);
+}
 
 Result<int> check_hello(const json& h, int world, const json& reference) {
   auto type = control::read_string(h, "type", 16);
   if (!type) return type.status();
-  if (*type != "hello") return Status(Errc::protocol_error, "expected a hello, got '" + *type + "'");
+  if (*type != "hello") return Status(Errc::protocol_error, "expected a hello, got '" + control::printable(*type, 16) + "'");
   auto rank = control::read_unsigned(h, "rank", 0, uint64_t(world) - 1);
   if (!rank) return Status(Errc::protocol_error, "hello: " + rank.status().message());
   const int r = int(*rank);
@@ -40,8 +43,7 @@ Result<int> check_hello(const json& h, int world, const json& reference) {
     const auto theirs = h.find(key);
     if (theirs == h.end()) return malformed(r, std::string("no '") + key + "'");
     if (*theirs != reference.at(key))
-      return Status(Errc::invalid_argument, "rank " + std::to_string(r) + " uses " + key + "=" + theirs->dump(-1, ' ', false, json::error_handler_t::replace).substr(0, 64) +
-                                                ", this rank uses " + reference.at(key).dump());
+      return Status(Errc::invalid_argument, "rank " + std::to_string(r) + " uses another " + key + " than this rank (" + reference.at(key).dump() + ")");
   }
   const uint64_t qps = reference.at("qps_per_peer").get<uint64_t>();
   const auto endpoints = h.find("endpoints");
@@ -73,7 +75,7 @@ Result<int> check_hello(const json& h, int world, const json& reference) {
 Result<std::vector<json>> check_table(const json& reply, int world, const json& own) {
   auto type = control::read_string(reply, "type", 16);
   if (!type) return type.status();
-  if (*type != "table") return Status(Errc::protocol_error, "expected the rendezvous table, got '" + *type + "'");
+  if (*type != "table") return Status(Errc::protocol_error, "expected the rendezvous table, got '" + control::printable(*type, 16) + "'");
   const auto ranks = reply.find("ranks");
   if (ranks == reply.end() || !ranks->is_array() || ranks->size() != size_t(world))
     return Status(Errc::protocol_error, "rendezvous table from rank 0 is not a list of " + std::to_string(world) + " hellos");

@@ -20,9 +20,9 @@
 
 namespace stellar::coll {
 
-// The longest hello a rank of a `world`-rank job may send (qps_per_peer is at
-// most 16): the line cap of rank 0's rendezvous server.
-size_t max_hello_bytes(int world);
+// The longest hello a rank of a `world`-rank job with `qps_per_peer` QPs per
+// peer may send: the line cap of rank 0's rendezvous server.
+size_t max_hello_bytes(int world, uint32_t qps_per_peer);
 
 // Checks `h` as a hello of a `world`-rank job whose parameters must equal
 // those of `reference` (the reader's own hello). Returns the sender's rank.

@@ -153,15 +153,30 @@ void LineServer::start_accept() {
     asio::error_code ignore;
     const auto remote = p->socket.remote_endpoint(ignore);
     p->peer = remote.address().to_string() + ":" + std::to_string(remote.port());
-    if (pending_.size() >= options_.max_pending) {
-      // Full of connections that have not spoken: drop the oldest (likeliest idle).
-      std::shared_ptr<Pending> oldest = pending_.front();
-      refuse(*oldest, "too many connections waiting to speak; dropped the oldest");
-    }
     pending_.push_back(p);
     start_read(p);
+    if (pending_.size() >= pending_limit()) {
+      // Full: drop the oldest connection that has sent nothing at all (an
+      // idle one costs the real peers their slot); if all are talking, stop
+      // accepting until one finishes.
+      for (const auto& q : pending_)
+        if (q->buffer.size() == 0 && q != p) {
+          std::shared_ptr<Pending> idle = q;
+          refuse(*idle, "too many connections waiting to speak; dropped the oldest silent one");
+          break;
+        }
+      if (pending_.size() >= pending_limit()) {
+        accept_paused_ = true;
+        return;
+      }
+    }
     start_accept();
   });
+}
+
+size_t LineServer::pending_limit() const {
+  const size_t by_bytes = options_.max_buffered_bytes / std::max<size_t>(options_.max_line, 1);
+  return std::max<size_t>(8, std::min(options_.max_pending, by_bytes));
 }
 
 void LineServer::start_read(const std::shared_ptr<Pending>& p) {
@@ -183,15 +198,24 @@ void LineServer::finish(const std::shared_ptr<Pending>& p, const asio::error_cod
   auto j = parse_line(line);
   Status valid = j ? check_(*j) : j.status();
   if (!valid.ok()) return refuse(*p, valid.message());
+  try {
+    Arrival a;
+    if (options_.share_io) {
+      if (!shared_io_) shared_io_ = std::make_shared<asio::io_context>();
+      a.io = shared_io_;
+    } else {
+      a.io = std::make_shared<asio::io_context>();
+    }
+    std::string leftover(asio::buffers_begin(p->buffer.data()), asio::buffers_end(p->buffer.data()));
+    a.channel = std::make_unique<Channel>(*a.io, options_.max_line, std::move(p->socket), leftover);
+    a.first = std::move(*j);
+    a.peer = p->peer;
+    ready_.push_back(std::move(a));
+  } catch (const std::exception& e) {  // out of descriptors for an io_context, out of memory
+    return refuse(*p, std::string("cannot take the connection: ") + e.what());
+  }
   p->done = true;
   p->timer.cancel();
-  std::string leftover(asio::buffers_begin(p->buffer.data()), asio::buffers_end(p->buffer.data()));
-  Arrival a;
-  a.io = std::make_unique<asio::io_context>();
-  a.channel = std::make_unique<Channel>(*a.io, options_.max_line, std::move(p->socket), leftover);
-  a.first = std::move(*j);
-  a.peer = p->peer;
-  ready_.push_back(std::move(a));
   forget(*p);
 }
 
@@ -217,8 +241,12 @@ void LineServer::forget(Pending& p) {
   for (auto it = pending_.begin(); it != pending_.end(); ++it)
     if (it->get() == &p) {
       pending_.erase(it);
-      return;
+      break;
     }
+  if (accept_paused_ && pending_.size() < pending_limit() && acceptor_.is_open()) {
+    accept_paused_ = false;
+    start_accept();
+  }
 }
 
 Result<Arrival> LineServer::next(Clock::time_point deadline) {

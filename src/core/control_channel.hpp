@@ -52,7 +52,7 @@ class Channel {
 
 // A connection whose first line a LineServer accepted.
 struct Arrival {
-  std::unique_ptr<asio::io_context> io;  // owns the channel's socket
+  std::shared_ptr<asio::io_context> io;  // runs the channel's socket (shared by all arrivals with Options::share_io)
   std::unique_ptr<Channel> channel;
   json first;        // the first line, already checked
   std::string peer;  // "address:port", for messages
@@ -64,8 +64,11 @@ struct Arrival {
 // first line that `check` accepts becomes an Arrival; any other (not a line,
 // too long, not JSON, refused by `check`) is answered with
 // {"type": refusal_type, "reason": why}, logged, remembered in refusals(),
-// and closed. At most max_pending connections wait for their first line;
-// beyond that the oldest is dropped. Used from one thread.
+// and closed. At most max_pending connections wait for their first line, and
+// no more than max_buffered_bytes / max_line: when full, the oldest that has
+// sent nothing at all is dropped, and if every one is talking, accepting
+// pauses (the kernel's backlog holds the rest) until one finishes. Used from
+// one thread.
 class LineServer {
  public:
   using Check = std::function<Status(const json&)>;
@@ -73,6 +76,12 @@ class LineServer {
     size_t max_line = max_cm_line_bytes;
     std::chrono::milliseconds first_line_timeout{5000};
     size_t max_pending = 256;
+    size_t max_buffered_bytes = size_t(256) << 20;  // bounds max_pending for long lines
+    // Every Arrival's channel on one io_context (3 descriptors fewer per
+    // connection), for a caller that uses all of them from one thread, as
+    // the rendezvous does; else each gets its own (requests handed to
+    // other threads).
+    bool share_io = false;
     std::string refusal_type = "reject";
     std::string what = "connection manager";  // names the server in log lines
   };
@@ -97,6 +106,7 @@ class LineServer {
   void finish(const std::shared_ptr<Pending>& p, const asio::error_code& ec, size_t line_bytes);
   void refuse(Pending& p, const std::string& why);
   void forget(Pending& p);
+  size_t pending_limit() const;
 
   Options options_;
   Check check_;
@@ -107,6 +117,8 @@ class LineServer {
   std::deque<std::string> refusals_;
   uint64_t refused_count_ = 0;
   asio::steady_timer retry_timer_;  // accept again after a failed accept
+  bool accept_paused_ = false;      // every pending slot holds a talking connection
+  std::shared_ptr<asio::io_context> shared_io_;  // Options::share_io
 };
 
 inline Status to_rts(QueuePair& qp, const QpEndpoint& remote, const QpTiming& timing) {

@@ -2,6 +2,7 @@
 
 #include <arpa/inet.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "stellar/cm.hpp"
@@ -13,7 +14,32 @@ Status bad_field(const char* key, const std::string& why) { return Status(Errc::
 
 }  // namespace
 
+// The deepest nesting of arrays and objects in `line` (brackets inside
+// strings do not count). nlohmann parses iteratively but copies, compares
+// and dumps recursively: a line of a million '[' would overflow the stack
+// after a successful parse, so depth is checked before parsing.
+size_t nesting_depth(std::string_view line) {
+  size_t depth = 0, deepest = 0;
+  bool in_string = false, escaped = false;
+  for (const char c : line) {
+    if (in_string) {
+      if (escaped) escaped = false;
+      else if (c == '\\') escaped = true;
+      else if (c == '"') in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      deepest = std::max(deepest, ++depth);
+    } else if ((c == ']' || c == '}') && depth > 0) {
+      --depth;
+    }
+  }
+  return deepest;
+}
+
 Result<json> parse_line(std::string_view line) {
+  if (nesting_depth(line) > max_nesting_depth)
+    return Status(Errc::protocol_error, "JSON nested deeper than " + std::to_string(max_nesting_depth) + " levels");
   json j = json::parse(line.begin(), line.end(), nullptr, false);
   if (j.is_discarded()) return Status(Errc::protocol_error, "not a JSON line");
   if (!j.is_object()) return Status(Errc::protocol_error, "not a JSON object");
@@ -28,8 +54,9 @@ Result<uint64_t> read_unsigned(const json& j, const char* key, uint64_t min, uin
   // nlohmann parses non-negative integers as unsigned; a negative one is
   // number_integer, a fraction or an exponent number_float: all refused.
   if (!it->is_number_unsigned()) {
-    if (it->is_number_integer()) return bad_field(key, "is negative: " + it->dump());
-    return bad_field(key, "is not an integer: " + it->dump().substr(0, 64));
+    if (it->is_number_integer()) return bad_field(key, "is negative: " + std::to_string(it->get<int64_t>()));
+    if (it->is_number_float()) return bad_field(key, "is not an integer: " + std::to_string(it->get<double>()));
+    return bad_field(key, std::string("is not an integer but ") + it->type_name());
   }
   const uint64_t v = it->get<uint64_t>();
   if (v < min || v > max)
@@ -40,18 +67,27 @@ Result<uint64_t> read_unsigned(const json& j, const char* key, uint64_t min, uin
 Result<std::string> read_string(const json& j, const char* key, size_t max_length) {
   const auto it = j.find(key);
   if (it == j.end()) return bad_field(key, "is missing");
-  if (!it->is_string()) return bad_field(key, "is not a string: " + it->dump().substr(0, 64));
+  if (!it->is_string()) return bad_field(key, std::string("is not a string but ") + it->type_name());
   const std::string& s = it->get_ref<const std::string&>();
   if (s.size() > max_length) return bad_field(key, "is longer than " + std::to_string(max_length) + " bytes");
+  return s;
+}
+
+std::string printable(std::string_view text, size_t max_bytes) {
+  std::string s;
+  s.reserve(std::min(text.size(), max_bytes));
+  size_t end = std::min(text.size(), max_bytes);
+  // Cut at a UTF-8 character boundary, never inside a sequence.
+  while (end > 0 && end < text.size() && (uint8_t(text[end]) & 0xc0) == 0x80) --end;
+  for (size_t i = 0; i < end; ++i) s += uint8_t(text[i]) < 0x20 || text[i] == 0x7f ? '?' : text[i];
+  if (end < text.size()) s += "...";
   return s;
 }
 
 std::string read_reason(const json& j) {
   const auto it = j.find("reason");
   if (it == j.end() || !it->is_string()) return "(no reason given)";
-  std::string s = it->get<std::string>();
-  if (s.size() > max_reason_bytes) s = s.substr(0, max_reason_bytes) + "...";
-  return s;
+  return printable(it->get_ref<const std::string&>(), max_reason_bytes);
 }
 
 Status check_unicast_address(const std::string& address) {
@@ -70,7 +106,7 @@ Status check_unicast_address(const std::string& address) {
     if (v6.s6_addr[0] == 0xff) return Status(Errc::protocol_error, "address " + address + " is a multicast address");
     return {};
   }
-  return Status(Errc::protocol_error, "address '" + address.substr(0, 64) + "' is not an IPv4 or IPv6 address");
+  return Status(Errc::protocol_error, "address '" + printable(address, 64) + "' is not an IPv4 or IPv6 address");
 }
 
 json endpoint_json(const QpEndpoint& e) {
@@ -94,7 +130,7 @@ Result<QpEndpoint> endpoint_from(const json& j) {
   auto mode_name = read_string(j, "mode", 16);
   if (!mode_name) return mode_name.status();
   auto mode = parse_mode(*mode_name);
-  if (!mode) return bad_field("mode", "is '" + *mode_name + "', not stellar or roce");
+  if (!mode) return bad_field("mode", "is '" + printable(*mode_name, 16) + "', not stellar or roce");
   e.mode = *mode;
   auto port = read_unsigned(j, "udp_port", 1, 65535);
   auto qpn = read_unsigned(j, "qp_num", 1, 0xffffff);  // QPNs are 24 bits (BTH), in both modes
@@ -162,7 +198,7 @@ Result<std::vector<uint8_t>> from_hex(const std::string& hex, size_t max_bytes) 
 Result<EndpointMessage> parse_endpoint_message(const json& j, const char* type) {
   auto t = read_string(j, "type", 32);
   if (!t) return t.status();
-  if (*t != type) return Status(Errc::protocol_error, std::string("expected a '") + type + "' message, got '" + *t + "'");
+  if (*t != type) return Status(Errc::protocol_error, std::string("expected a '") + type + "' message, got '" + printable(*t, 32) + "'");
   auto endpoint = endpoint_from(j);
   if (!endpoint) return endpoint.status();
   EndpointMessage m{*endpoint, {}};

@@ -31,10 +31,16 @@ inline constexpr size_t max_cm_line_bytes = 64 * 1024;
 // A reason text from a peer is cut to this length before it reaches a log or
 // a Status.
 inline constexpr size_t max_reason_bytes = 512;
+// Deepest nesting of arrays/objects a line may have (the rendezvous needs 4).
+inline constexpr size_t max_nesting_depth = 8;
 
 // One line: a JSON object whose "type" is a string. Anything else (not JSON,
 // an array, a missing or non-string type) is a protocol_error.
 Result<json> parse_line(std::string_view line);
+
+// Peer text made safe for messages and logs: at most max_bytes bytes, cut at
+// a UTF-8 character boundary ("..." marks a cut), control characters as '?'.
+std::string printable(std::string_view text, size_t max_bytes);
 
 // `key` of object `j` as an unsigned integer in [min, max]: a JSON integer
 // (not a float, string or bool) in range, else protocol_error naming it.

@@ -69,7 +69,8 @@ std::string exchange(uint16_t port, const std::string& bytes, std::chrono::milli
   return reply;
 }
 
-uint16_t free_port() {
+// A TCP socket bound to a free loopback port.
+int bound_socket(uint16_t& port) {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in a{};
   a.sin_family = AF_INET;
@@ -77,8 +78,14 @@ uint16_t free_port() {
   bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
   socklen_t len = sizeof a;
   getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  close(fd);
-  return ntohs(a.sin_port);
+  port = ntohs(a.sin_port);
+  return fd;
+}
+
+uint16_t free_port() {
+  uint16_t port = 0;
+  close(bound_socket(port));
+  return port;
 }
 
 struct Side {
@@ -184,6 +191,36 @@ TEST(ControlPlane, IdleSocketsDoNotKeepTheRealClientOut) {
   for (int fd : idle) close(fd);
 }
 
+TEST(ControlPlane, DeeplyNestedJsonIsRefusedBeforeItIsParsed) {
+  // Parsing is iterative, but copying and dumping a JSON value recurse: a
+  // line of 30,000 '[' would overflow the stack after a successful parse.
+  auto listener = cm::Listener::listen("127.0.0.1", 0).value();
+  Side server = make_side();
+  auto served = serve_one(*listener, server);
+  const std::string deep = R"({"type":"connect","private_data":)" + std::string(30000, '[') + std::string(30000, ']') + "}\n";
+  EXPECT_NE(exchange(listener->port(), deep).find("nested deeper"), std::string::npos);
+  Side client = make_side();
+  ASSERT_TRUE(cm::connect("127.0.0.1", listener->port(), *client.qp));
+  EXPECT_TRUE(served.get().ok());
+}
+
+TEST(ControlPlane, MoreIdleSocketsThanPendingSlotsStillLetTheClientIn) {
+  // 300 silent connections: past the 256 pending slots the oldest silent one
+  // is dropped for each newcomer, so the real client's request is read.
+  auto listener = cm::Listener::listen("127.0.0.1", 0).value();
+  Side server = make_side();
+  auto served = serve_one(*listener, server);
+  std::vector<int> idle;
+  for (int i = 0; i < 300; ++i) idle.push_back(tcp_connect(listener->port()));
+  Side client = make_side();
+  cm::ConnectOptions options;
+  options.timeout = 3s;
+  auto connected = cm::connect("127.0.0.1", listener->port(), *client.qp, options);
+  EXPECT_TRUE(connected) << connected.status().to_string();
+  EXPECT_TRUE(served.get().ok());
+  for (int fd : idle) close(fd);
+}
+
 TEST(ControlPlane, ABrokenAttemptLeavesTheListenerWaitingForTheNext) {
   auto listener = cm::Listener::listen("127.0.0.1", 0).value();
   // Connect and close at once, then a half line and close.
@@ -202,14 +239,7 @@ TEST(ControlPlane, ABrokenAttemptLeavesTheListenerWaitingForTheNext) {
 
 // A fake listener: answers the first connection with `reply`.
 std::thread fake_listener(int& listen_fd, uint16_t& port, std::string reply) {
-  listen_fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(listen_fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  socklen_t len = sizeof a;
-  getsockname(listen_fd, reinterpret_cast<sockaddr*>(&a), &len);
-  port = ntohs(a.sin_port);
+  listen_fd = bound_socket(port);
   listen(listen_fd, 4);
   return std::thread([fd = listen_fd, reply] {
     const int c = accept(fd, nullptr, nullptr);
