@@ -3,6 +3,7 @@
 #include <arpa/inet.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 
 #include "stellar/cm.hpp"
@@ -55,7 +56,11 @@ Result<uint64_t> read_unsigned(const json& j, const char* key, uint64_t min, uin
   // number_integer, a fraction or an exponent number_float: all refused.
   if (!it->is_number_unsigned()) {
     if (it->is_number_integer()) return bad_field(key, "is negative: " + std::to_string(it->get<int64_t>()));
-    if (it->is_number_float()) return bad_field(key, "is not an integer: " + std::to_string(it->get<double>()));
+    if (it->is_number_float()) {
+      char text[32];
+      std::snprintf(text, sizeof text, "%g", it->get<double>());
+      return bad_field(key, std::string("is not an integer: ") + text);
+    }
     return bad_field(key, std::string("is not an integer but ") + it->type_name());
   }
   const uint64_t v = it->get<uint64_t>();

@@ -150,7 +150,9 @@ TEST(ControlPlane, WrongTypedAndOutOfRangeFieldsAreRefusedWithAReason) {
     EXPECT_NE(reply.find("\"type\":\"reject\""), std::string::npos) << field << "=" << value << ": " << reply;
     EXPECT_NE(reply.find("reason"), std::string::npos) << field << "=" << value;
   }
-  const std::vector<std::string> junk_lines = {"[1,2,3]\n", "\"connect\"\n", "{}\n", "not json at all\n", std::string("{\"type\":\"connect\"\0}\n", 22)};
+  static const char with_nul[] = "{\"type\":\"connect\"\0}\n";
+  const std::string nul_inside(with_nul, sizeof with_nul - 1);
+  const std::vector<std::string> junk_lines = {"[1,2,3]\n", "\"connect\"\n", "{}\n", "not json at all\n", nul_inside};
   for (const std::string& junk : junk_lines)
     EXPECT_NE(exchange(listener->port(), junk).find("reject"), std::string::npos) << junk;
   // The listener survived all of it and still serves a real client.

@@ -515,6 +515,10 @@ class SoftContext final : public Context {
   }
 
   bool progress_locked(uint64_t now);
+  // One round of progress_locked: receive, then flush what engines have due;
+  // `more` says an engine still has datagrams due after its flush (a capped
+  // burst of READ responses in roce mode).
+  bool progress_round_locked(uint64_t now, bool& more);
   uint64_t next_wakeup_locked(uint64_t now);
   const sockaddr_in& local_socket() const { return socket_.local(); }
 
@@ -1286,6 +1290,20 @@ void SoftContext::send_datagrams(size_t n, const sockaddr_in& peer) {
 }
 
 bool SoftContext::progress_locked(uint64_t now) {
+  // A roce-mode responder sends READ responses in bursts (EngineConfig::
+  // max_response_burst) so that re-requests are read between them; rounds
+  // continue until the bursts are out, receiving between them, instead of
+  // leaving the rest until the next packet or call arrives (an application
+  // asleep in epoll would otherwise stall the READ until the peer's RTO).
+  bool work = false, more = true;
+  for (int round = 0; more && round < 64; ++round) {
+    more = false;
+    work = progress_round_locked(now, more) || work;
+  }
+  return work;
+}
+
+bool SoftContext::progress_round_locked(uint64_t now, bool& more) {
   bool work = false;
   if (!staging_.empty()) poll_staging();
   if (held_completions_) poll_held_completions();
@@ -1329,7 +1347,10 @@ bool SoftContext::progress_locked(uint64_t now) {
   }
   for (auto& [key, qp] : qps_) {
     off::QpEngine& e = *qp->engine();
-    if (e.next_wakeup_ns(now) <= now && flush_engine(e, qp->peer(), now) > 0) work = true;
+    if (e.next_wakeup_ns(now) <= now && flush_engine(e, qp->peer(), now) > 0) {
+      work = true;
+      if (e.next_wakeup_ns(now) <= now) more = true;
+    }
   }
   if (held_length_) {
     // A datagram held back for reordering goes out now if nothing overtook it.
