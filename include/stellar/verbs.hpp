@@ -143,6 +143,7 @@ struct WorkCompletion {
   // names both.
   uint32_t provider_status = 0;
   uint32_t vendor_error = 0;
+  Provider provider = Provider::soft;  // which provider's codes provider_status/vendor_error are
 };
 // "remote access error", plus for verbs errors the original status:
 // "remote access error (IBV_WC_REM_ACCESS_ERR: remote access error, vendor_err 0x88)".

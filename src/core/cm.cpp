@@ -7,7 +7,7 @@
 // so neither side sends before the other can receive.
 #include "core/control_channel.hpp"
 #include "core/log.hpp"
-#include "providers/verbs/rdma_cm.hpp"
+#include "core/providers.hpp"
 #include "stellar/cm.hpp"
 
 namespace stellar::cm {
@@ -94,14 +94,22 @@ std::optional<Method> method_from_string(const std::string& s) {
 }
 
 Result<std::unique_ptr<Listener>> Listener::listen(const std::string& address, uint16_t port, Method method) {
-  if (method == Method::rdma_cm) return provider::verbs::rdma_cm_listen(address, port);
+  if (method != Method::tcp) {  // a provider's own method
+    const provider::Ops* ops = provider::find(method);
+    if (!ops || !ops->cm_listen) return Status(Errc::unsupported, std::string("connection method ") + to_string(method) + " is not built in");
+    return ops->cm_listen(address, port);
+  }
   auto l = std::make_unique<TcpListener>();
   if (Status s = l->open(address, port); !s.ok()) return s;
   return std::unique_ptr<Listener>(std::move(l));
 }
 
 Result<Connected> connect(const std::string& address, uint16_t port, QueuePair& qp, const ConnectOptions& options) {
-  if (options.method == Method::rdma_cm) return provider::verbs::rdma_cm_connect(address, port, qp, options);
+  if (options.method != Method::tcp) {  // a provider's own method
+    const provider::Ops* ops = provider::find(options.method);
+    if (!ops || !ops->cm_connect) return Status(Errc::unsupported, std::string("connection method ") + to_string(options.method) + " is not built in");
+    return ops->cm_connect(address, port, qp, options);
+  }
   if (options.private_data.size() > max_private_data) return Status(Errc::invalid_argument, "private data above 4096 bytes");
   const auto deadline = Clock::now() + options.timeout;
   asio::io_context io;

@@ -9,9 +9,10 @@
 namespace stellar {
 
 std::string describe(const WorkCompletion& wc) {
-  std::string text = to_string(wc.status);
-  if (wc.provider_status != 0) text = provider::describe_verbs_status(wc.provider_status, wc.vendor_error);
-  return text;
+  if (wc.provider_status != 0)
+    if (const provider::Ops* ops = provider::find(wc.provider); ops && ops->describe_status)
+      return ops->describe_status(wc.provider_status, wc.vendor_error);
+  return to_string(wc.status);
 }
 
 namespace {
@@ -44,11 +45,9 @@ Result<std::shared_ptr<Context>> Context::open(const ContextOptions& options) {
   effective.faults = *faults;
   if (effective.mtu < 256 || effective.mtu > 16384)
     return Status(Errc::invalid_argument, "mtu " + std::to_string(effective.mtu) + " outside [256, 16384]");
-  switch (effective.provider) {
-    case Provider::soft: return provider::open_soft(effective);
-    case Provider::verbs: return provider::open_verbs(effective);
-  }
-  return Status(Errc::invalid_argument, "unknown provider");
+  const provider::Ops* ops = provider::find(effective.provider);
+  if (!ops || !ops->open) return Status(Errc::invalid_argument, "provider '" + std::string(to_string(effective.provider)) + "' is not built in");
+  return ops->open(effective);
 }
 
 }  // namespace stellar

@@ -828,6 +828,9 @@ TEST(TrustModel, BlindInjectionFromThePeersAddressIsRejectedByTheToken) {
   const uint32_t next_psn = ea.psn + 1;
   const std::vector<uint8_t> evil(64, 0xee);
   const uint64_t guesses[] = {0, 1, ea.token, ~eb.token, eb.token ^ 1, eb.token ^ (1ull << 63), 0x0123456789abcdefull};
+  // A late retransmission of that first WRITE (its ACK crossed the relay
+  // after A's 1 ms timer) must arrive before the baseline, not after it.
+  drive([] { return false; }, 50ms);
   const ContextCounters before = b->counters();
   for (uint64_t guess : guesses) relay.facing_b.send_to(forge_write(eb.qp_num, next_psn, guess, tmr->addr(), tmr->rkey(), evil), b->local_port());
   TestSocket elsewhere;  // same host, another port: the peer-address filter's case

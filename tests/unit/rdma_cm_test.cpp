@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <infiniband/verbs.h>
 
+#include "core/providers.hpp"
 #include "providers/verbs/rdma_cm.hpp"
 #include "stellar/cm.hpp"
 #include "stellar/verbs.hpp"
@@ -108,4 +109,31 @@ TEST(RdmaCm, ListeningWithoutAnRdmaDeviceFailsAtOnceSayingSo) {
   EXPECT_NE(listener.status().message().find("tcp"), std::string::npos) << "names the method that works here";
 }
 
+}  // namespace
+
+// The provider seam: the core reaches providers only through their tables.
+namespace {
+TEST(ProviderRegistry, EachProviderHasATableAndRdmaCmBelongsToVerbs) {
+  ASSERT_EQ(stellar::provider::all().size(), 2u);
+  for (stellar::Provider id : {stellar::Provider::soft, stellar::Provider::verbs}) {
+    const stellar::provider::Ops* ops = stellar::provider::find(id);
+    ASSERT_NE(ops, nullptr);
+    EXPECT_EQ(ops->id, id);
+    EXPECT_STREQ(ops->name, stellar::to_string(id));
+    EXPECT_NE(ops->open, nullptr);
+  }
+  const stellar::provider::Ops* cm = stellar::provider::find(stellar::cm::Method::rdma_cm);
+  ASSERT_NE(cm, nullptr);
+  EXPECT_EQ(cm->id, stellar::Provider::verbs);
+  EXPECT_NE(cm->cm_listen, nullptr);
+  EXPECT_NE(cm->cm_connect, nullptr);
+  EXPECT_EQ(stellar::provider::find(stellar::cm::Method::tcp), nullptr);  // the core's own method
+  // describe() asks the provider that produced the completion.
+  stellar::WorkCompletion wc;
+  wc.status = stellar::WcStatus::remote_access_error;
+  EXPECT_EQ(stellar::describe(wc), "remote access error");
+  wc.provider = stellar::Provider::verbs;
+  wc.provider_status = IBV_WC_REM_ACCESS_ERR;
+  EXPECT_NE(stellar::describe(wc).find("IBV_WC_REM_ACCESS_ERR"), std::string::npos);
+}
 }  // namespace

@@ -1559,4 +1559,7 @@ Result<std::shared_ptr<Context>> open_soft(const ContextOptions& options) {
   return std::shared_ptr<Context>(context);
 }
 
+extern const Ops soft_ops;
+const Ops soft_ops{Provider::soft, "soft", open_soft, nullptr, std::nullopt, nullptr, nullptr};
+
 }  // namespace stellar::provider

@@ -8,7 +8,6 @@
 #include <filesystem>
 #include <fstream>
 
-#include "core/providers.hpp"
 
 namespace stellar::provider::verbs {
 
@@ -169,6 +168,7 @@ WorkCompletion from_ibv_wc(const ibv_wc& wc) {
   out.imm_data = out.has_imm ? ntohl(wc.imm_data) : 0;
   out.qp_num = wc.qp_num;
   if (wc.status != IBV_WC_SUCCESS) {
+    out.provider = Provider::verbs;
     out.provider_status = uint32_t(wc.status);
     out.vendor_error = wc.vendor_err;
   }
@@ -394,7 +394,3 @@ Result<GidChoice> select_gid(const std::vector<DeviceGids>& devices, const std::
 }
 
 }  // namespace stellar::provider::verbs
-
-namespace stellar::provider {
-std::string describe_verbs_status(uint32_t status, uint32_t vendor_error) { return verbs::describe_ibv_status(status, vendor_error); }
-}  // namespace stellar::provider

@@ -801,4 +801,7 @@ Result<std::shared_ptr<Context>> open_verbs(const ContextOptions& options) {
   return std::shared_ptr<Context>(std::make_shared<VerbsContext>(options, context, std::move(*choice), device_attr, port_attr, traffic_class));
 }
 
+extern const Ops verbs_ops;
+const Ops verbs_ops{Provider::verbs, "verbs", open_verbs, verbs::describe_ibv_status, cm::Method::rdma_cm, verbs::rdma_cm_listen, verbs::rdma_cm_connect};
+
 }  // namespace stellar::provider
