@@ -294,6 +294,7 @@ void serve_until_done(Side& side) {
       } else if (now - last_heard >= idle_limit) {
         std::fprintf(stderr, "perftest: the client stopped answering: no packet from it for %lld s and no end-of-run marker; giving up\n",
                      (long long)idle_limit.count());
+        print_counters(side.ctx->counters());
         std::exit(1);
       }
     }
@@ -451,11 +452,14 @@ BandwidthRow bandwidth_run(Side& side, uint64_t size) {
 void print_counters(const ContextCounters& c) {
   std::fprintf(stderr,
                "counters: tx %llu packets %llu bytes, rx %llu packets %llu bytes, retransmitted %llu, timeouts %llu, tail probes %llu, "
-               "duplicates %llu, dropped: malformed %llu unknown-qp %llu out-of-window %llu, send errors %llu\n",
+               "duplicates %llu, dropped: malformed %llu unknown-qp %llu out-of-window %llu bad-token %llu full %llu, access errors %llu, "
+               "RNR NAKs sent %llu, injected drops %llu, send errors %llu\n",
                (unsigned long long)c.tx_packets, (unsigned long long)c.tx_bytes, (unsigned long long)c.rx_packets, (unsigned long long)c.rx_bytes,
                (unsigned long long)c.retransmitted_packets, (unsigned long long)c.timeouts, (unsigned long long)c.tail_probes,
                (unsigned long long)c.rx_duplicates, (unsigned long long)c.rx_dropped_malformed, (unsigned long long)c.rx_dropped_unknown_qp,
-               (unsigned long long)c.rx_dropped_out_of_window, (unsigned long long)c.send_errors);
+               (unsigned long long)c.rx_dropped_out_of_window, (unsigned long long)c.rx_dropped_bad_token,
+               (unsigned long long)c.rx_requests_dropped_full, (unsigned long long)c.rx_access_errors, (unsigned long long)c.rnr_naks_sent,
+               (unsigned long long)c.fault_dropped, (unsigned long long)c.send_errors);
 }
 
 int main(int argc, char** argv) {

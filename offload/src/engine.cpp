@@ -667,6 +667,18 @@ struct QpEngine::State {
       // Undo is only for a silent stall: if a later packet was acknowledged
       // while the head stayed missing, the head was really lost (and the
       // un-resent packets an ACK may cover later say nothing about it).
+      // The queue starts over from the head, in PSN order, as TCP's
+      // retransmission after an RTO does. Left as it was, the packets still
+      // queued from an earlier timeout would go first and the head (whose
+      // retransmission was lost again) would wait behind them: past the
+      // SACK's 64-PSN reach each of them draws only a duplicate ACK, so
+      // with the collapsed window they leave one per RTO and the retries
+      // run out before the head's turn comes.
+      for (uint32_t i = 0; i < lost_count; ++i) {
+        const uint32_t p = lost[(lost_head + i) % lost.size()];
+        if (outstanding(p)) slot(p).flags &= uint8_t(~slot_lost);
+      }
+      lost_count = 0;
       bool later_acknowledged = false;
       for (uint32_t p = una; diff(p, max_sent) < 0; p = add(p, 1)) {
         if (slot(p).flags & slot_done) later_acknowledged = true;

@@ -24,7 +24,7 @@ cat "$work/forked"
 check_table "$work/forked" $((6 * 5 * 3))
 
 echo "--- torchrun-style environment, 2 ranks, 1 MiB..4 MiB (ring)"
-port=$((30000 + RANDOM % 20000))
+port=$((20000 + RANDOM % 12000))  # below the ephemeral range (32768-)
 for r in 1 0; do
   RANK=$r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port "$bin" -b 1M -e 4M -f 4 -n 3 -w 1 > "$work/env$r" 2>&1 &
 done

@@ -6,8 +6,14 @@
 # with SIGKILL mid-run: the server must notice and exit non-zero, with a
 # message, within a bound.
 set -euo pipefail
+# The server's banner says it listens; a client started before that would
+# find the port closed (as perftest's own client would).
+wait_listening() {
+  for _ in $(seq 200); do grep -q waiting "$1" && return 0; sleep 0.05; done
+  echo "the server never said it was listening:"; cat "$1"; exit 1
+}
 dir="$1"
-port=$((40000 + RANDOM % 15000))
+port=$((20000 + RANDOM % 12000))  # below the ephemeral range (32768-)
 lat_row='^ [0-9]+ +[0-9]+( +[0-9]+\.[0-9]+){7}$'
 bw_row='^ [0-9]+ +[0-9]+( +[0-9]+\.[0-9]+){3}$'
 log=$(mktemp)
@@ -23,6 +29,7 @@ for program in write_lat read_lat send_lat atomic_lat write_bw read_bw send_bw; 
       [[ $program == atomic_lat ]] && expected=1
       STELLAR_FAULT_DROP=$faults timeout 300 "$dir/stellar_$program" -p "$port" "${args[@]}" > "$log" 2>&1 &
       server=$!
+      wait_listening "$log"
       out=$(STELLAR_FAULT_DROP=$faults timeout 300 "$dir/stellar_$program" 127.0.0.1 -p "$port" "${args[@]}" --out_json "$json") || {
         echo "stellar_$program ($mode, loss $faults): client failed"; echo "$out"; cat "$log"; exit 1; }
       wait "$server" || { echo "stellar_$program ($mode, loss $faults): server failed"; cat "$log"; exit 1; }
@@ -46,6 +53,7 @@ for mode in stellar roce; do
   port=$((port + 1))
   timeout 120 "$dir/stellar_write_bw" -p "$port" -D 60 --wait adaptive --mode "$mode" > "$log" 2>&1 &
   server=$!
+  wait_listening "$log"
   "$dir/stellar_write_bw" 127.0.0.1 -p "$port" -D 60 --wait adaptive --mode "$mode" > /dev/null 2>&1 &  # no timeout wrapper: $! is the client
   client=$!
   sleep 2

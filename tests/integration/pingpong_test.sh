@@ -6,8 +6,14 @@
 # that fails must not end the server, and a server nobody connects to gives
 # up after --wait_client with a message.
 set -euo pipefail
+# The server's banner says it listens; a client started before that would
+# find the port closed (as perftest's own client would).
+wait_listening() {
+  for _ in $(seq 200); do grep -q waiting "$1" && return 0; sleep 0.05; done
+  echo "the server never said it was listening:"; cat "$1"; exit 1
+}
 bin="$1"
-port=$((20000 + RANDOM % 20000))
+port=$((20000 + RANDOM % 12000))  # below the ephemeral range (32768-)
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 rows_expected=23  # 2^1 .. 2^23
@@ -16,6 +22,7 @@ for mode in stellar roce; do
     port=$((port + 1))
     STELLAR_FAULT_DROP=$faults timeout 120 "$bin" -p "$port" -a -n 20 --warmup 5 --adaptive --mode "$mode" > "$log" 2>&1 &
     server=$!
+    wait_listening "$log"
     out=$(STELLAR_FAULT_DROP=$faults timeout 120 "$bin" 127.0.0.1 -p "$port" -a -n 20 --warmup 5 --adaptive --mode "$mode") || {
       echo "client failed ($mode, loss $faults):"; echo "$out"; cat "$log"; exit 1; }
     wait "$server" || { echo "server failed ($mode, loss $faults):"; cat "$log"; exit 1; }
@@ -30,7 +37,7 @@ done
 port=$((port + 1))
 timeout 60 "$bin" -p "$port" -s 64 -n 100 --adaptive > "$log" 2>&1 &
 server=$!
-sleep 0.5
+wait_listening "$log"
 exec 3<>"/dev/tcp/127.0.0.1/$port"; exec 3>&-
 exec 3<>"/dev/tcp/127.0.0.1/$port"; echo '{"type":"connect","udp_port":"x"}' >&3; exec 3>&-
 out=$(timeout 60 "$bin" 127.0.0.1 -p "$port" -s 64 -n 100 --adaptive)
