@@ -27,6 +27,7 @@ for program in write_lat read_lat send_lat atomic_lat write_bw read_bw send_bw; 
       [[ $program == *_bw ]] && args=(-a -n 8 -t 8 -q 2 --wait adaptive --mode "$mode")
       expected=23
       [[ $program == atomic_lat ]] && expected=1
+      : > "$log"  # empty before the server starts: the last one's banner must not count
       STELLAR_FAULT_DROP=$faults timeout 300 "$dir/stellar_$program" -p "$port" "${args[@]}" > "$log" 2>&1 &
       server=$!
       wait_listening "$log"
@@ -51,6 +52,7 @@ done
 # to fail, so it must find out by itself (its keepalive READ) and exit.
 for mode in stellar roce; do
   port=$((port + 1))
+  : > "$log"  # empty before the server starts: the last one's banner must not count
   timeout 120 "$dir/stellar_write_bw" -p "$port" -D 60 --wait adaptive --mode "$mode" > "$log" 2>&1 &
   server=$!
   wait_listening "$log"
