@@ -30,6 +30,7 @@
 
 #include "coll/reduce.hpp"
 #include "coll/rendezvous.hpp"
+#include "core/config.hpp"
 #include "core/control_channel.hpp"
 #include "core/log.hpp"
 #include "stellar/coll.hpp"
@@ -95,61 +96,38 @@ Result<ReduceOp> parse_reduce_op(const std::string& name) {
   return Status(Errc::invalid_argument, "unknown reduction '" + name + "' (sum, prod, min, max, avg)");
 }
 
-namespace {
-
-Result<long> parse_integer(const char* variable, const char* text, long min, long max) {
-  char* end = nullptr;
-  errno = 0;
-  const long v = std::strtol(text, &end, 10);
-  if (errno || end == text || *end != '\0' || v < min || v > max)
-    return Status(Errc::invalid_argument, std::string(variable) + "='" + text + "' is not an integer in [" + std::to_string(min) + ", " +
-                                              std::to_string(max) + "]");
-  return v;
-}
-
-}  // namespace
-
 Result<CommunicatorOptions> CommunicatorOptions::from_environment() { return from_environment(CommunicatorOptions{}); }
 
 Result<CommunicatorOptions> CommunicatorOptions::from_environment(const CommunicatorOptions& base) {
   CommunicatorOptions o = base;
-  const char* rank = std::getenv("RANK");
-  const char* size = std::getenv("WORLD_SIZE");
+  // torchrun's RANK/WORLD_SIZE, else mpirun's; both must be there.
   const char* rank_name = "RANK";
   const char* size_name = "WORLD_SIZE";
-  if (!rank || !size) {
-    rank = std::getenv("OMPI_COMM_WORLD_RANK");
-    size = std::getenv("OMPI_COMM_WORLD_SIZE");
+  if (!config::text(rank_name) || !config::text(size_name)) {
     rank_name = "OMPI_COMM_WORLD_RANK";
     size_name = "OMPI_COMM_WORLD_SIZE";
   }
-  if (rank && size) {
-    auto s = parse_integer(size_name, size, 1, 65536);
+  if (config::text(rank_name) && config::text(size_name)) {
+    auto s = config::integer(size_name, 1, 65536);
     if (!s) return s.status();
-    auto r = parse_integer(rank_name, rank, 0, *s - 1);
+    auto r = config::integer(rank_name, 0, **s - 1);
     if (!r) return r.status();
-    o.rank = int(*r);
-    o.world_size = int(*s);
+    o.rank = int(**r);
+    o.world_size = int(**s);
   } else if (o.rank < 0 || o.world_size < 1) {
     return Status(Errc::invalid_argument,
                   "no rank in the environment: set RANK and WORLD_SIZE (torchrun style) or run under mpirun (OMPI_COMM_WORLD_RANK/SIZE)");
   }
-  if (const char* a = std::getenv("MASTER_ADDR"); a && *a) o.master_address = a;
-  if (const char* p = std::getenv("MASTER_PORT"); p && *p) {
-    auto v = parse_integer("MASTER_PORT", p, 1, 65535);
-    if (!v) return v.status();
-    o.master_port = uint16_t(*v);
-  }
-  if (const char* t = std::getenv("STELLAR_COLL_TIMEOUT_MS"); t && *t) {
-    auto v = parse_integer("STELLAR_COLL_TIMEOUT_MS", t, 1, 86'400'000);
-    if (!v) return v.status();
-    o.timeout = std::chrono::milliseconds(*v);
-  }
-  if (const char* q = std::getenv("STELLAR_COLL_QPS_PER_PEER"); q && *q) {
-    auto v = parse_integer("STELLAR_COLL_QPS_PER_PEER", q, 1, 16);
-    if (!v) return v.status();
-    o.qps_per_peer = uint32_t(*v);
-  }
+  if (auto a = config::text("MASTER_ADDR")) o.master_address = *a;
+  auto port = config::integer("MASTER_PORT", 1, 65535);
+  if (!port) return port.status();
+  if (*port) o.master_port = uint16_t(**port);
+  auto timeout = config::integer("STELLAR_COLL_TIMEOUT_MS", 1, 86'400'000);
+  if (!timeout) return timeout.status();
+  if (*timeout) o.timeout = std::chrono::milliseconds(**timeout);
+  auto qps = config::integer("STELLAR_COLL_QPS_PER_PEER", 1, 16);
+  if (!qps) return qps.status();
+  if (*qps) o.qps_per_peer = uint32_t(**qps);
   return o;
 }
 

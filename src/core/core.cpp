@@ -1,8 +1,8 @@
 // Provider-independent parts of the API: the environment, and Context::open's
 // dispatch to a provider (names and parsing of enums are in names.cpp).
-#include <cstdlib>
 #include <stdexcept>
 
+#include "core/config.hpp"
 #include "core/providers.hpp"
 #include "stellar/verbs.hpp"
 
@@ -15,26 +15,17 @@ std::string describe(const WorkCompletion& wc) {
   return to_string(wc.status);
 }
 
-namespace {
-Status read_probability(const char* name, double& out) {
-  const char* text = std::getenv(name);
-  if (!text || !*text) return {};
-  char* end = nullptr;
-  const double v = std::strtod(text, &end);
-  if (end == text || *end != '\0' || !(v >= 0.0 && v <= 1.0))
-    return Status(Errc::invalid_argument, std::string(name) + "='" + text + "' is not a probability in [0, 1]");
-  out = v;
-  return {};
-}
-}  // namespace
-
 Result<FaultOptions> FaultOptions::from_environment(const FaultOptions& given) {
   FaultOptions base = given;
   for (auto [name, field] : {std::pair{"STELLAR_FAULT_DROP", &base.drop}, std::pair{"STELLAR_FAULT_DUP", &base.duplicate},
                              std::pair{"STELLAR_FAULT_REORDER", &base.reorder}}) {
-    if (Status s = read_probability(name, *field); !s.ok()) return s;
+    auto value = config::probability(name);
+    if (!value) return value.status();
+    if (*value) *field = **value;
   }
-  if (const char* seed = std::getenv("STELLAR_FAULT_SEED"); seed && *seed) base.seed = std::strtoull(seed, nullptr, 0);
+  auto seed = config::unsigned64("STELLAR_FAULT_SEED");
+  if (!seed) return seed.status();
+  if (*seed) base.seed = **seed;
   return base;
 }
 

@@ -12,13 +12,13 @@
 #include <memory>
 #include <mutex>
 
+#include "core/config.hpp"
 #include "core/log.hpp"
 
 namespace stellar::gpu {
 
 std::string CudaDriver::default_library() {
-  const char* override_name = std::getenv("STELLAR_CUDA_LIBRARY");
-  return override_name && *override_name ? override_name : "libcuda.so.1";
+  return config::text("STELLAR_CUDA_LIBRARY").value_or("libcuda.so.1");
 }
 
 namespace {

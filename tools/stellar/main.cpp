@@ -1,9 +1,13 @@
 // The `stellar` command-line tool. Subcommands:
 //   doctor   check a node against the GPUDirect RDMA deployment lessons (docs/doctor.md)
+//   config   every environment variable Stellar reads, with the value in effect (docs/configuration.md)
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 
+#include <iomanip>
 #include <iostream>
 
+#include "core/config.hpp"
 #include "doctor.hpp"
 
 namespace {
@@ -38,6 +42,24 @@ int run_doctor(const DoctorArguments& a) {
   return report.failed() ? 1 : 0;
 }
 
+// Prints the table of src/core/config.cpp with what this environment sets.
+int run_config(bool json) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const stellar::config::Variable& v : stellar::config::variables()) {
+    const auto value = stellar::config::text(v.name);
+    if (json) {
+      out.push_back({{"name", v.name}, {"value", value ? nlohmann::json(*value) : nlohmann::json()}, {"default", v.default_value},
+                     {"unit", v.unit}, {"meaning", v.meaning}, {"read_by", v.reader}});
+      continue;
+    }
+    std::cout << std::left << std::setw(26) << v.name << " "
+              << (value ? *value : std::string("(unset") + (*v.default_value ? std::string(", default ") + v.default_value : "") + ")") << "\n"
+              << "    " << v.meaning << " [" << v.unit << "]\n";
+  }
+  if (json) std::cout << out.dump(2) << "\n";
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -55,7 +77,12 @@ int main(int argc, char** argv) {
   cmd->add_option("--min-fw", doctor.min_firmware, "Minimum NIC firmware MAJOR.MINOR.SUB (applies to devices with the same major); repeatable");
   cmd->add_option("--interface", doctor.interfaces, "Also check rings/offloads of this interface; repeatable");
 
+  bool config_json = false;
+  auto* config = app.add_subcommand("config", "List every environment variable Stellar reads, with its value here, default and unit");
+  config->add_flag("--json", config_json, "Print the list as JSON");
+
   CLI11_PARSE(app, argc, argv);
   if (cmd->parsed()) return run_doctor(doctor);
+  if (config->parsed()) return run_config(config_json);
   return 2;
 }

@@ -28,6 +28,7 @@
 #include <random>
 #include <thread>
 
+#include "core/config.hpp"
 #include "core/log.hpp"
 #include "core/providers.hpp"
 #include "gpu/cuda_driver.hpp"
@@ -768,14 +769,9 @@ Result<std::shared_ptr<Context>> open_verbs(const ContextOptions& options) {
     ~ListGuard() { ibv_free_device_list(list); }
   } guard{list};
 
-  uint8_t traffic_class = 0;
-  if (const char* tc = std::getenv("STELLAR_VERBS_TC"); tc && *tc) {
-    char* end = nullptr;
-    const long v = std::strtol(tc, &end, 0);
-    if (end == tc || *end || v < 0 || v > 255)
-      return Status(Errc::invalid_argument, std::string("STELLAR_VERBS_TC='") + tc + "' is not a traffic class in [0, 255]");
-    traffic_class = uint8_t(v);
-  }
+  auto tc = config::integer("STELLAR_VERBS_TC", 0, 255);
+  if (!tc) return tc.status();
+  const uint8_t traffic_class = uint8_t(tc->value_or(0));
 
   auto choice = select_gid(query_gid_tables(list, count), options.device, options.bind_address);
   if (!choice) return choice.status();

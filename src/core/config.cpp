@@ -1,0 +1,93 @@
+#include "core/config.hpp"
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+namespace stellar::config {
+
+namespace {
+
+// The table docs/configuration.md mirrors. Launcher variables (RANK, ...)
+// belong to torchrun and mpirun: Stellar reads them, it does not own them.
+constexpr Variable table[] = {
+    {"STELLAR_LOG_LEVEL", "warn", "trace|debug|info|warn|error|critical|off",
+     "control-plane log level on stderr (the data path never logs, it counts)", "src/core/log.cpp"},
+    {"STELLAR_FAULT_DROP", "0", "probability", "soft provider: drop each sent datagram with this probability", "Context::open"},
+    {"STELLAR_FAULT_DUP", "0", "probability", "soft provider: send each datagram twice with this probability", "Context::open"},
+    {"STELLAR_FAULT_REORDER", "0", "probability", "soft provider: hold a datagram back behind the next one with this probability",
+     "Context::open"},
+    {"STELLAR_FAULT_SEED", "", "integer", "seed of the fault injector's generator (unset: a random seed)", "Context::open"},
+    {"STELLAR_VERBS_TC", "0", "integer 0-255", "verbs provider: GRH traffic class (DSCP << 2 | ECN) of every QP, as NCCL_IB_TC",
+     "verbs provider open"},
+    {"STELLAR_CUDA_LIBRARY", "libcuda.so.1", "path", "the CUDA driver library to dlopen (tests point it at a fake)",
+     "src/gpu/cuda_driver.cpp"},
+    {"STELLAR_COLL_TIMEOUT_MS", "30000", "ms", "collectives: bootstrap and per-operation timeout", "CommunicatorOptions::from_environment"},
+    {"STELLAR_COLL_QPS_PER_PEER", "1", "integer 1-16", "collectives: QPs striped per peer (large messages spread over them)",
+     "CommunicatorOptions::from_environment"},
+    {"RANK", "", "integer", "this process's rank (torchrun); with WORLD_SIZE", "CommunicatorOptions::from_environment"},
+    {"WORLD_SIZE", "", "integer 1-65536", "number of ranks (torchrun)", "CommunicatorOptions::from_environment"},
+    {"OMPI_COMM_WORLD_RANK", "", "integer", "rank under mpirun, when RANK/WORLD_SIZE are unset", "CommunicatorOptions::from_environment"},
+    {"OMPI_COMM_WORLD_SIZE", "", "integer", "world size under mpirun", "CommunicatorOptions::from_environment"},
+    {"MASTER_ADDR", "127.0.0.1", "IPv4 address", "rank 0's address for the bootstrap (torchrun)", "CommunicatorOptions::from_environment"},
+    {"MASTER_PORT", "29500", "TCP port", "rank 0's bootstrap port (torchrun)", "CommunicatorOptions::from_environment"},
+};
+
+const Variable& declared(const char* name) {
+  for (const Variable& v : table)
+    if (std::strcmp(v.name, name) == 0) return v;
+  std::fprintf(stderr, "stellar: environment variable %s is read but not declared in src/core/config.cpp\n", name);
+  std::abort();
+}
+
+Status malformed(const char* name, const std::string& value, const std::string& wanted) {
+  return Status(Errc::invalid_argument, std::string(name) + "='" + value + "' is not " + wanted);
+}
+
+}  // namespace
+
+std::span<const Variable> variables() { return table; }
+
+std::optional<std::string> text(const char* name) {
+  (void)declared(name);
+  const char* value = std::getenv(name);
+  if (!value || !*value) return std::nullopt;
+  return std::string(value);
+}
+
+Result<std::optional<double>> probability(const char* name) {
+  auto value = text(name);
+  if (!value) return std::optional<double>();
+  char* end = nullptr;
+  const double v = std::strtod(value->c_str(), &end);
+  if (end == value->c_str() || *end != '\0' || !(v >= 0.0 && v <= 1.0)) return malformed(name, *value, "a probability in [0, 1]");
+  return std::optional<double>(v);
+}
+
+Result<std::optional<int64_t>> integer(const char* name, int64_t min, int64_t max) {
+  auto value = text(name);
+  if (!value) return std::optional<int64_t>();
+  char* end = nullptr;
+  errno = 0;
+  // Decimal, or hexadecimal with 0x (traffic classes are often written so);
+  // never octal: a rank of "010" is 10.
+  const bool hex = value->size() > 2 && (*value)[0] == '0' && ((*value)[1] == 'x' || (*value)[1] == 'X');
+  const long long v = std::strtoll(value->c_str(), &end, hex ? 16 : 10);
+  if (end == value->c_str() || *end != '\0' || errno == ERANGE || v < min || v > max)
+    return malformed(name, *value, "an integer in [" + std::to_string(min) + ", " + std::to_string(max) + "]");
+  return std::optional<int64_t>(v);
+}
+
+Result<std::optional<uint64_t>> unsigned64(const char* name) {
+  auto value = text(name);
+  if (!value) return std::optional<uint64_t>();
+  char* end = nullptr;
+  errno = 0;
+  const unsigned long long v = std::strtoull(value->c_str(), &end, 0);
+  if (end == value->c_str() || *end != '\0' || errno == ERANGE || value->front() == '-')
+    return malformed(name, *value, "an unsigned 64-bit integer");
+  return std::optional<uint64_t>(v);
+}
+
+}  // namespace stellar::config

@@ -1,0 +1,27 @@
+#!/bin/bash
+# One configuration place (docs/configuration.md): the table `stellar config`
+# prints and the documentation's table name the same variables; no source
+# outside src/core/config.cpp reads the environment; a malformed value fails
+# with a message that names the variable.
+set -euo pipefail
+cli="$1"; pingpong="$2"; root="$3"
+doc="$root/docs/configuration.md"
+known=$("$cli" config --json | python3 -c 'import json, sys; print("\n".join(v["name"] for v in json.load(sys.stdin)))')
+documented=$(grep -oE '^\| `[A-Z_]+`' "$doc" | tr -d '|` ')
+for name in $known; do echo "$documented" | grep -qx "$name" || { echo "docs/configuration.md does not list $name"; exit 1; }; done
+for name in $documented; do echo "$known" | grep -qx "$name" || { echo "docs/configuration.md lists $name, which the code does not read"; exit 1; }; done
+echo "$(echo "$known" | wc -l) variables, documented alike"
+
+stray=$(grep -rn 'getenv *(' "$root/src" "$root/offload" --include='*.cpp' --include='*.hpp' | grep -v '^[^:]*src/core/config\.cpp:' || true)
+[[ -z $stray ]] || { echo "the environment is read outside src/core/config.cpp:"; echo "$stray"; exit 1; }
+
+STELLAR_FAULT_DROP=1.5 "$cli" config | grep -A1 '^STELLAR_FAULT_DROP' | grep -q '1.5' || { echo "stellar config does not show the value in effect"; exit 1; }
+for bad in STELLAR_FAULT_DROP=1.5 STELLAR_FAULT_SEED=seven STELLAR_FAULT_DUP=-0.1; do
+  name=${bad%%=*}
+  if out=$(env "$bad" timeout 20 "$pingpong" -p 1 --wait_client 1 2>&1); then echo "$bad: the server started"; exit 1; fi
+  echo "$out" | grep -q "$name" || { echo "$bad: the error does not name the variable: $out"; exit 1; }
+  echo "$bad refused: $(echo "$out" | grep -o "$name.*" | head -1)"
+done
+out=$(STELLAR_LOG_LEVEL=chatty timeout 20 "$pingpong" -p 1 --wait_client 1 2>&1 || true)
+echo "$out" | grep -q "STELLAR_LOG_LEVEL='chatty' is not a level" || { echo "an unknown log level went unmentioned: $out"; exit 1; }
+echo "unknown log level reported"
