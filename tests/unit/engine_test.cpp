@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <tuple>
 
@@ -1007,7 +1008,7 @@ LossyReadResult lossy_roce_read(double loss, uint64_t seed, uint32_t bytes = 8u 
       const size_t n = p.b->transmit(p.tx.data(), 1, p.now);
       if (n == 0) break;
       p.flat.resize(p.tx[0].length);
-      ASSERT_EQ(flatten(p.tx[0], p.flat.data(), p.flat.size()), p.tx[0].length);
+      if (flatten(p.tx[0], p.flat.data(), p.flat.size()) != p.tx[0].length) std::abort();  // engine bookkeeping broken
       p.b_to_a.send(p.flat.data(), p.flat.size(), p.now);
       b_next += packet_ns;
     }
