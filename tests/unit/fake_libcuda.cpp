@@ -7,7 +7,8 @@
 // on "the stream" and each cuEventQuery runs one of them, so a poller sees
 // events complete one at a time, as a copy engine's would. With
 // fake_cuda_set_deferred(2) the copy engine stalls: queued copies run only
-// when someone synchronizes (stream or event). Synchronous cuMemcpy* never
+// when someone synchronizes (stream or event) or the test runs them
+// (fake_cuda_run_copies). Synchronous cuMemcpy* never
 // wait for queued copies, as CUDA's legacy stream does not wait for a
 // non-blocking one.
 #include <sys/mman.h>
@@ -99,6 +100,9 @@ void fake_cuda_set_deferred(int v) {
 int fake_cuda_events() { return events; }
 unsigned long long fake_cuda_async_copies() { return queued_copies; }
 unsigned long long fake_cuda_pending_copies() { return queued.size(); }
+void fake_cuda_run_copies(int n) {  // the stalled copy engine moves by n copies
+  while (n-- > 0) run_one();
+}
 void fake_cuda_last_export(CUdeviceptr* start, size_t* size) { *start = last_export_start, *size = last_export_size; }
 
 // ---- driver API ----
