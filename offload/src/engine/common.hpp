@@ -1,0 +1,251 @@
+// What the engine's units share (private to offload/src): limits, PSN
+// arithmetic, the work-queue entries and PSN slots, scatter/gather helpers,
+// and the Context every unit holds: the QP's normalised configuration, its
+// counters, memory, completion sink and the QP-wide error state.
+//
+// The units (docs/design.md, "Layering"; issue 12):
+//   Responder    (responder.hpp)      receive queue, acceptance, placement, responses, ACKs
+//   Requester    (requester.hpp)      send queue, PSN slots, building requests, applying ACKs
+//   LossRecovery (loss_recovery.hpp)  lost ring, timers, RTT, loss detection, roce go-back-N
+//   PacketWriter (writer.hpp)         finishes every outgoing packet (piggy-backed ACK, encode)
+// QpEngine (engine.cpp) composes them. Nothing here allocates after
+// construction, locks or does I/O (principles 1 and 4).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "stellar/offload/engine.hpp"
+
+namespace stellar::offload::detail {
+
+inline constexpr uint64_t never = std::numeric_limits<uint64_t>::max();
+inline constexpr uint32_t duplicate_threshold = 3;  // later packets acknowledged before a hole counts as lost
+inline constexpr uint32_t pending_capacity = 16;     // stellar: READ/atomic requests that arrived ahead of a gap
+inline constexpr uint32_t control_capacity = 256;
+inline constexpr uint32_t atomic_replay_capacity = 32;
+// What follows the payload: roce pad (up to 3) + ICRC (4); stellar CRC-32C (4).
+inline constexpr size_t max_trailer_bytes = 8;
+inline constexpr uint32_t zero_copy_bytes = 1024;    // larger payloads are referenced, not copied, when sent
+
+// PSN arithmetic: 24-bit PSNs in roce mode, 32-bit in stellar mode.
+struct PsnSpace {
+  uint32_t mask = 0xffffffff;
+  uint32_t add(uint32_t psn, uint32_t n) const { return (psn + n) & mask; }
+  int32_t diff(uint32_t a, uint32_t b) const {
+    const uint32_t d = (a - b) & mask;
+    return mask == 0xffffffff ? int32_t(d) : int32_t(d << 8) >> 8;
+  }
+};
+
+// Per-PSN state of what the requester sent. slot_response: the packet belongs
+// to a READ or atomic, whose response (not an ACK) is the evidence that it
+// arrived; set once, when the slot is first used, so that loss recovery need
+// not look at the send queue.
+enum SlotFlags : uint8_t {
+  slot_sent = 1,
+  slot_done = 2,
+  slot_lost = 4,
+  slot_retransmitted = 8,
+  slot_in_flight = 16,
+  slot_response = 32,
+};
+
+struct Slot {
+  uint32_t wqe = 0;
+  uint8_t flags = 0;
+  uint64_t sent_ns = 0;
+};
+
+struct SendWqe {
+  SendWork work;
+  uint8_t inline_data[max_inline_bytes];
+  uint32_t length = 0;
+  uint32_t first_psn = 0;
+  uint32_t packet_count = 0;
+  uint32_t receive_sequence = 0;
+  CompletionStatus status = CompletionStatus::success;
+  bool failed = false;
+  uint64_t generation = 0;  // MemoryAccess::generation() when the segments were last known valid
+  uint32_t credits = 0;     // max_rd_atomic credits held: READ pieces or the atomic sent, not yet below una
+  uint32_t ready = 0;       // payload bytes that may be sent (all of it unless SendWork::staged)
+};
+
+struct ReceiveWqe {
+  ReceiveWork work;
+  uint64_t capacity = 0;
+  uint32_t byte_length = 0;
+  uint32_t last_psn = 0;
+  uint32_t imm = 0;
+  bool last_seen = false;
+  bool has_imm = false;
+  bool rdma_with_imm = false;
+  CompletionStatus status = CompletionStatus::success;
+  uint64_t generation = 0;
+};
+
+// The QP-wide ERROR state (verbs): any unit may enter it (a failed WQE, a
+// receive too small, retries exhausted); whoever composes the units (the
+// facade) then flushes the work of every one of them.
+class ErrorHandler {
+ public:
+  virtual void enter_error() = 0;
+
+ protected:
+  ~ErrorHandler() = default;
+};
+
+// Shared by every unit: one per QP, owned by the facade.
+struct Context {
+  EngineConfig config;  // normalised (window a power of two, minimums applied)
+  MemoryAccess& memory;
+  CompletionSink& sink;
+  ErrorHandler& errors;
+  EngineCounters counters;
+  PsnSpace psn;
+  uint32_t window_mask = 0;
+  bool error = false;
+
+  Context(const EngineConfig& c, MemoryAccess& m, CompletionSink& s, ErrorHandler& e);
+
+  uint32_t add(uint32_t p, uint32_t n) const { return psn.add(p, n); }
+  int32_t diff(uint32_t a, uint32_t b) const { return psn.diff(a, b); }
+
+  void deliver(const Completion& c) {
+    ++counters.completions;
+    sink.deliver(c);
+  }
+  void enter_error() {
+    if (!error) errors.enter_error();
+  }
+
+  // A header addressed to the peer QP: partition, destination QPN and (stellar)
+  // the peer's connection token. Every packet this engine sends starts here.
+  Header addressed() const {
+    Header h;
+    h.pkey = config.pkey;
+    h.dest_qpn = config.remote_qpn;
+    h.token = config.remote_token;
+    return h;
+  }
+};
+
+inline Context::Context(const EngineConfig& c, MemoryAccess& m, CompletionSink& s, ErrorHandler& e)
+    : config(c), memory(m), sink(s), errors(e) {
+  psn.mask = config.mode == Mode::roce ? 0xffffff : 0xffffffff;
+  uint32_t window = 128;  // at least the 64 PSNs kept free below plus room to send
+  while (window < config.window_packets && window < (1u << 22)) window <<= 1;
+  config.window_packets = window;
+  window_mask = window - 1;
+  config.max_send_wr = std::max<uint32_t>(1, config.max_send_wr);
+  config.max_recv_wr = std::max<uint32_t>(1, config.max_recv_wr);
+  config.mtu = std::max<uint32_t>(256, config.mtu);
+  config.max_read_responses = std::max<uint32_t>(1, config.max_read_responses);
+  config.max_response_burst = std::max<uint32_t>(1, config.max_response_burst);
+  // Bounded by what the responder can hold: early in-order requests and the atomic replay cache.
+  config.max_rd_atomic = std::clamp<uint32_t>(config.max_rd_atomic, 1, std::min(pending_capacity, atomic_replay_capacity));
+}
+
+// ---- scatter/gather ----
+
+// Copies between a scatter/gather list and a contiguous buffer.
+inline void gather(const Segment* segments, uint32_t count, uint64_t offset, uint8_t* out, uint32_t length) {
+  for (uint32_t i = 0; i < count && length > 0; ++i) {
+    if (offset >= segments[i].length) {
+      offset -= segments[i].length;
+      continue;
+    }
+    const uint32_t n = uint32_t(std::min<uint64_t>(segments[i].length - offset, length));
+    std::memcpy(out, segments[i].address + offset, n);
+    out += n;
+    length -= n;
+    offset = 0;
+  }
+}
+
+inline void scatter(const Segment* segments, uint32_t count, uint64_t offset, const uint8_t* in, uint32_t length) {
+  for (uint32_t i = 0; i < count && length > 0; ++i) {
+    if (offset >= segments[i].length) {
+      offset -= segments[i].length;
+      continue;
+    }
+    const uint32_t n = uint32_t(std::min<uint64_t>(segments[i].length - offset, length));
+    std::memcpy(segments[i].address + offset, in, n);
+    in += n;
+    length -= n;
+    offset = 0;
+  }
+}
+
+// The pieces of a scatter/gather list covering [offset, offset + length).
+inline uint32_t slice(const Segment* segments, uint32_t count, uint64_t offset, uint32_t length, PayloadPiece* out) {
+  uint32_t n = 0;
+  for (uint32_t i = 0; i < count && length > 0; ++i) {
+    if (offset >= segments[i].length) {
+      offset -= segments[i].length;
+      continue;
+    }
+    const uint32_t take = uint32_t(std::min<uint64_t>(segments[i].length - offset, length));
+    out[n++] = PayloadPiece{segments[i].address + offset, take};
+    length -= take;
+    offset = 0;
+  }
+  return n;
+}
+
+// Whether every keyed segment overlapping [offset, offset + length) is still
+// registered with `access` (a region may be deregistered after posting).
+inline bool segments_valid(MemoryAccess& memory, const Segment* segments, uint32_t count, uint64_t offset, uint64_t length,
+                           uint32_t access) {
+  for (uint32_t i = 0; i < count; ++i) {
+    const Segment& g = segments[i];
+    const bool overlaps = offset < g.length && length > 0;
+    if (overlaps && g.lkey && !memory.local_valid(g.lkey, g.address, g.length, access)) return false;
+    const uint64_t used = std::min<uint64_t>(offset < g.length ? g.length - offset : 0, length);
+    length -= used;
+    offset = offset >= g.length ? offset - g.length : 0;
+  }
+  return true;
+}
+
+// ---- opcodes ----
+
+// SEND and WRITE opcodes share one layout after their FIRST opcode (IBTA):
+// +0 first, +1 middle, +2 last, +3 last with immediate, +4 only, +5 only with immediate.
+inline uint8_t message_opcode(uint8_t first_opcode, bool first, bool last, bool imm) {
+  if (first && last) return uint8_t(first_opcode + (imm ? 5 : 4));
+  if (first) return first_opcode;
+  if (last) return uint8_t(first_opcode + (imm ? 3 : 2));
+  return uint8_t(first_opcode + 1);
+}
+
+inline CompletionOpcode completion_opcode(WorkOpcode op) {
+  switch (op) {
+    case WorkOpcode::send:
+    case WorkOpcode::send_with_imm: return CompletionOpcode::send;
+    case WorkOpcode::rdma_write:
+    case WorkOpcode::rdma_write_with_imm: return CompletionOpcode::rdma_write;
+    case WorkOpcode::rdma_read: return CompletionOpcode::rdma_read;
+    case WorkOpcode::atomic_fetch_add: return CompletionOpcode::fetch_add;
+    case WorkOpcode::atomic_compare_swap: return CompletionOpcode::compare_swap;
+  }
+  return CompletionOpcode::send;
+}
+
+inline bool is_atomic(WorkOpcode op) { return op == WorkOpcode::atomic_fetch_add || op == WorkOpcode::atomic_compare_swap; }
+inline bool needs_response(WorkOpcode op) { return op == WorkOpcode::rdma_read || is_atomic(op); }
+inline bool consumes_receive(WorkOpcode op) {
+  return op == WorkOpcode::send || op == WorkOpcode::send_with_imm || op == WorkOpcode::rdma_write_with_imm;
+}
+
+inline CompletionStatus status_from_syndrome(uint8_t s) {
+  switch (s) {
+    case syndrome::nak_remote_access: return CompletionStatus::remote_access_error;
+    case syndrome::nak_remote_operation: return CompletionStatus::remote_operation_error;
+    default: return CompletionStatus::remote_invalid_request;
+  }
+}
+
+}  // namespace stellar::offload::detail

@@ -1,0 +1,139 @@
+// The responder half of the QP.
+//
+// Owns: the receive queue, the acceptance window (epsn; stellar: arrival
+// marks and the SACK bitmap built from them), roce in-order placement
+// cursors, the READ response queue, the control queue (ACK/NAK/atomic
+// acknowledgements to send), the atomic replay cache, READ/atomic requests
+// that arrived ahead of a gap (stellar), the held-back ACK (ack_due,
+// unacked) and the responder's failure state after a fatal NAK.
+//
+// Interface to the rest: on_request() takes an inbound request header;
+// fill_acknowledgement()/acknowledgement_sent() are how every outgoing
+// packet carries this side's ACK (through the PacketWriter); the transmit_*
+// calls write responses and the pure ACK into TxBuffers; has_responses() and
+// ack_due() are its part of the next wakeup.
+//
+// May call: MemoryAccess (rkeys, receive buffers), the PacketWriter it is
+// handed, and the Context (counters, completions, the QP-wide error). It
+// knows nothing of the requester or of loss recovery.
+#pragma once
+
+#include <vector>
+
+#include "common.hpp"
+#include "writer.hpp"
+
+namespace stellar::offload::detail {
+
+class Responder {
+ public:
+  explicit Responder(Context& ctx);
+
+  PostResult post_receive(const ReceiveWork& work);
+  uint32_t outstanding() const { return rq_count_; }
+
+  // A request arrived (at `arrival`, host clock): the ACK delay is measured from it.
+  void note_request_arrival(uint64_t arrival) { latest_request_arrival_ = arrival; }
+  // A request addressed to this QP (already checked: token, partition, QPN).
+  void on_request(const Header& h, uint64_t now);
+
+  // ---- this side's acknowledgement (stellar: on every packet) ----
+
+  // Cumulative ACK, SACK bitmap and ACK delay (measured to `transmit_now`).
+  void fill_acknowledgement(Header& h, uint64_t transmit_now) const;
+  // An acknowledgement went out: nothing is held back any more.
+  void acknowledgement_sent() {
+    unacked_ = 0;
+    ack_due_ = never;
+  }
+  uint64_t ack_due() const { return ack_due_; }
+  // Makes a held-back acknowledgement due now.
+  void acknowledge_now(uint64_t now) {
+    if (ack_due_ != never) ack_due_ = std::min(ack_due_, now);
+  }
+
+  // ---- transmit ----
+
+  // READ responses and control packets (ACK/NAK/atomic acknowledgements), in PSN order.
+  size_t transmit_responses(PacketWriter& writer, TxBuffer* buffers, size_t count);
+  // The pure ACK, if one is due at `now`.
+  size_t transmit_ack(PacketWriter& writer, TxBuffer* buffers, size_t count, uint64_t now);
+  bool has_responses() const { return control_count_ || reads_count_; }
+
+  // ERROR: every posted receive completes (flushed, or with its own error);
+  // queued READ responses and the held-back ACK are dropped.
+  void flush();
+
+ private:
+  struct ReadResponse {
+    uint32_t psn = 0;
+    uint64_t address = 0;
+    uint32_t rkey = 0;
+    uint32_t length = 0;
+    uint32_t packets = 0;  // of the request (what the opcodes count)
+    uint32_t sent = 0;
+    uint32_t end = 0;      // packets to send: `packets`, fewer when a duplicate READ cut it short (roce)
+  };
+  struct Control {
+    uint8_t opcode = opcode::acknowledge;
+    uint8_t syndrome = syndrome::ack;
+    uint32_t psn = 0;
+    uint64_t atomic_original = 0;
+  };
+  struct AtomicReplay {
+    uint32_t psn = 0;
+    uint64_t original = 0;
+    bool valid = false;
+  };
+  enum class Outcome { accepted, nak, rnr, dropped };
+
+  uint32_t add(uint32_t p, uint32_t n) const { return ctx_.add(p, n); }
+  int32_t diff(uint32_t a, uint32_t b) const { return ctx_.diff(a, b); }
+
+  uint64_t sack_bitmap() const;
+  void queue_control(uint8_t op, uint8_t syn, uint32_t psn, uint64_t original = 0);
+  void schedule_ack(uint64_t now, bool immediately);
+  ReceiveWqe* receive_for(uint32_t sequence);
+  void execute(const Header& h, uint64_t now, bool out_of_order);
+  void drain_pending(uint64_t now);
+  void mark_received(uint32_t psn, uint32_t count);
+  void nak(uint32_t psn, uint8_t syn);
+  Outcome apply_request(const Header& h, uint64_t now, uint32_t& consumed);
+  Outcome apply_send(const Header& h);
+  Outcome apply_write(const Header& h);
+  void restart_reads_at(uint32_t q);
+  void replay_duplicate(const Header& h, uint64_t now);
+  void complete_receives();
+
+  Context& ctx_;
+  std::vector<ReceiveWqe> rq_;
+  uint32_t rq_head_ = 0, rq_count_ = 0;
+  uint32_t rq_head_sequence_ = 0;  // receive sequence of rq[rq_head]
+  uint32_t epsn_ = 0;              // every PSN before this one has arrived
+  std::vector<uint8_t> received_;  // stellar: arrival marks for [epsn, epsn + window)
+  uint32_t received_end_ = 0;      // one past the highest PSN marked
+  uint32_t msn_ = 0;
+  std::vector<ReadResponse> reads_;
+  uint32_t reads_head_ = 0, reads_count_ = 0;
+  std::vector<Control> control_;
+  uint32_t control_head_ = 0, control_count_ = 0;
+  AtomicReplay atomic_replay_[atomic_replay_capacity];
+  uint32_t atomic_replay_next_ = 0;
+  Header pending_[pending_capacity];
+  bool pending_used_[pending_capacity] = {};
+  uint32_t unacked_ = 0;
+  uint64_t ack_due_ = never;
+  uint64_t latest_request_arrival_ = 0;  // arrival time of the latest request received (our ack's age)
+  bool sequence_nak_sent_ = false;  // roce: one NAK per gap
+  bool failed_ = false;             // a fatal NAK went out: nothing at or after failed_psn_ is accepted
+  uint32_t failed_psn_ = 0;
+  uint8_t failed_syndrome_ = 0;
+  // roce in-order placement cursors
+  bool roce_in_send_ = false, roce_in_write_ = false;
+  uint32_t roce_send_offset_ = 0;
+  uint32_t roce_receive_sequence_ = 0;
+  uint64_t roce_write_address_ = 0;
+  uint32_t roce_write_rkey_ = 0, roce_write_length_ = 0, roce_write_offset_ = 0;
+};
+
+}  // namespace stellar::offload::detail
