@@ -1,14 +1,17 @@
-// The soft provider: hosts one offload engine per QP and feeds it datagrams
-// from a batched UDP socket (src/io). Runs on any Linux host.
+// The soft provider's application side: context, tenants and their key
+// spaces, PDs, MRs, CQs and QPs over offload engines. The engines run in an
+// engine host (offload/host: the socket, fault filter, dispatch, timers,
+// progress and the engine thread), reached through host::EngineHost only;
+// GPU memory goes through pinned shadows (gpu_staging.hpp). Runs on any
+// Linux host.
 //
 // Locking: one mutex per context guards tenants, memory tables, QPs and their
-// engines; it is taken once per progress batch, not per packet. Each CQ has
-// its own mutex (order: context, then CQ).
+// engines (the engine host is given it); it is taken once per progress
+// batch, not per packet. Each CQ has its own mutex (order: context, then CQ).
 #include <arpa/inet.h>
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/random.h>
-#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -24,19 +27,18 @@
 #include <vector>
 
 #include "core/log.hpp"
-#include "core/registration_cache.hpp"
 #include "core/providers.hpp"
 #include "gpu/cuda_driver.hpp"
-#include "io/udp_socket.hpp"
+#include "host/engine_host.hpp"
+#include "providers/soft/gpu_staging.hpp"
 #include "stellar/offload/engine.hpp"
 
 namespace stellar::provider {
 namespace {
 
 namespace off = stellar::offload;
-
-constexpr int rx_batch = 32;
-constexpr int tx_batch = 64;
+using namespace stellar::provider::soft;
+using host::monotonic_ns;
 
 // 64 bits from the kernel CSPRNG (getrandom(2)): connection tokens, memory
 // keys, QP numbers and initial PSNs must not be predictable from earlier ones
@@ -59,12 +61,6 @@ uint64_t kernel_random() {
   return v;
 }
 
-uint64_t monotonic_ns() {
-  timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return uint64_t(t.tv_sec) * 1'000'000'000ull + uint64_t(t.tv_nsec);
-}
-
 // The public and engine enums are kept in the same order.
 static_assert(int(WcStatus::rnr_retry_exceeded) == int(off::CompletionStatus::rnr_retry_exceeded));
 static_assert(int(WcOpcode::recv_rdma_with_imm) == int(off::CompletionOpcode::receive_rdma_with_imm));
@@ -72,17 +68,6 @@ static_assert(int(WrOpcode::atomic_cmp_swap) == int(off::WorkOpcode::atomic_comp
 
 class SoftContext;
 class SoftPd;
-
-// Adds the counters a context reports (a destroyed QP's stay in the total).
-void accumulate(off::EngineCounters& sum, const off::EngineCounters& e) {
-  sum.tx_packets += e.tx_packets, sum.tx_bytes += e.tx_bytes, sum.rx_packets += e.rx_packets, sum.rx_bytes += e.rx_bytes;
-  sum.retransmitted_packets += e.retransmitted_packets, sum.timeouts += e.timeouts, sum.duplicates += e.duplicates;
-  sum.tail_probes += e.tail_probes;
-  sum.out_of_window += e.out_of_window, sum.access_errors += e.access_errors, sum.decode_errors += e.decode_errors;
-  sum.rnr_naks_sent += e.rnr_naks_sent, sum.unexpected_packets += e.unexpected_packets;
-  sum.requests_dropped_full += e.requests_dropped_full;
-  sum.bad_token += e.bad_token;
-}
 
 // A remote endpoint the engine can work with (modify to RTR): the engine
 // divides by the MTU and addresses 24-bit QP numbers; stellar mode needs the
@@ -107,91 +92,6 @@ Status check_peer_address(const sockaddr_in& a, const std::string& text) {
   return {};
 }
 
-// GPU memory registered on the soft provider. The engine works with the CPU,
-// so it reads and writes a pinned host copy (the shadow) of the region, and
-// the provider keeps the two in step at the points verbs semantics make
-// observable (docs/gpu.md): sources are copied device -> shadow when posted;
-// local destinations shadow -> device when their completion is delivered;
-// remote writes mark the shadow dirty and are copied to the device before the
-// next receive completion (a receive implies earlier writes are in place);
-// remote reads copy device -> shadow first. Sources of SEND/WRITE of at
-// least staging_pipeline_bytes are copied asynchronously in chunks on a CUDA
-// stream (StagingJob) and go on the wire chunk by chunk as the copies land;
-// destinations of at least that size are copied asynchronously when the
-// message has arrived and their completion is held until the copy is done
-// (HeldCompletion); the other copies wait for the copy engine.
-//
-// Every copy of a shadow, waited for or not, goes through one stream per
-// GPU (`stream`): stream order is what keeps a READ served from the device
-// behind the asynchronous copy of a receive that just landed there, and a
-// source's device -> shadow copy behind it too.
-struct GpuShadow : std::enable_shared_from_this<GpuShadow> {
-  const gpu::CudaDriver* driver = nullptr;
-  gpu::PinnedBuffer pinned;
-  uint64_t device = 0;  // the device address the shadow starts at
-  int ordinal = 0;
-  uint64_t buffer_id = 0;  // CUDA's id of the allocation: a new one after free + alloc at the same address
-  gpu::CUstream stream = nullptr;  // the context's staging stream for this GPU
-  std::vector<std::pair<uint64_t, uint64_t>> dirty;  // [offset, end) written by peers, not yet on the device
-
-  uint8_t* host() const { return static_cast<uint8_t*>(pinned.data()); }
-  Status to_host(uint64_t offset, uint64_t length) {
-    if (!length) return {};
-    auto scope = gpu::ScopedDeviceContext::enter(*driver, ordinal);
-    if (!scope) return scope.status();
-    Status s = driver->check(driver->api().cuMemcpyDtoHAsync(host() + offset, device + offset, length, stream), "cuMemcpyDtoHAsync (soft provider staging)");
-    const Status waited = driver->check(driver->api().cuStreamSynchronize(stream), "cuStreamSynchronize (soft provider staging)");
-    return s.ok() ? waited : s;
-  }
-  // Queues the copy of [offset, offset + length) to the device on `stream`.
-  Status to_device_async(uint64_t offset, uint64_t length) {
-    if (!length) return {};
-    auto scope = gpu::ScopedDeviceContext::enter(*driver, ordinal);
-    if (!scope) return scope.status();
-    return driver->check(driver->api().cuMemcpyHtoDAsync(device + offset, host() + offset, length, stream), "cuMemcpyHtoDAsync (soft provider staging)");
-  }
-  // Waits for every copy queued on the stream (this shadow's and others').
-  Status synchronize() {
-    auto scope = gpu::ScopedDeviceContext::enter(*driver, ordinal);
-    if (!scope) return scope.status();
-    return driver->check(driver->api().cuStreamSynchronize(stream), "cuStreamSynchronize (soft provider staging)");
-  }
-  Status to_device(uint64_t offset, uint64_t length) {
-    if (!length) return {};
-    Status s = to_device_async(offset, length);
-    auto scope = gpu::ScopedDeviceContext::enter(*driver, ordinal);
-    if (!scope) return scope.status();
-    const Status waited = driver->check(driver->api().cuStreamSynchronize(stream), "cuStreamSynchronize (soft provider staging)");
-    return s.ok() ? waited : s;
-  }
-  void mark_dirty(uint64_t offset, uint64_t length) {
-    if (!dirty.empty() && dirty.back().second >= offset && dirty.back().first <= offset + length) {
-      dirty.back().first = std::min(dirty.back().first, offset);
-      dirty.back().second = std::max(dirty.back().second, offset + length);
-    } else {
-      dirty.emplace_back(offset, offset + length);
-    }
-  }
-  Status flush() {
-    Status result;
-    for (auto [begin, end] : dirty)
-      if (Status s = to_device(begin, end - begin); !s.ok() && result.ok()) result = s;
-    dirty.clear();
-    return result;
-  }
-};
-
-// Pinned shadows outlive their memory regions in a per-context cache keyed
-// by device range, so a framework that registers the same GPU buffer again
-// (per step, per call) pays neither the pinning nor the allocation again.
-// Keys are not cached: each registration has its own, dead at deregistration.
-// A shadow is found again only for the allocation it was made for (same
-// CUDA buffer id): memory freed and allocated again at the same address
-// gets a new shadow. Unused shadows are dropped when the cache holds more
-// than shadow_cache_bytes.
-using ShadowCache = RegistrationCache<std::shared_ptr<GpuShadow>>;
-constexpr uint64_t shadow_cache_bytes = uint64_t(1) << 30;
-
 struct MrEntry {
   uint64_t addr = 0, length = 0;
   uint32_t access = 0;
@@ -205,43 +105,13 @@ struct MrEntry {
 
 // Per posted WR, from post to completion: the user's wr_id (the engine
 // carries the sequence number instead; a slot is reused only after the
-// engine has freed the WR's queue entry) and staged GPU destinations.
-struct StagedPart {
-  std::shared_ptr<GpuShadow> shadow;
-  uint64_t offset;
-  uint64_t length;
-  uint64_t message_offset = 0;  // sources: where the part lies in the message
-};
+// engine has freed the WR's queue entry) and staged GPU parts.
 struct WrSlot {
   uint64_t wr_id = 0;
   bool signaled = true;
   bool staging_failed = false;       // a source copy failed: the WR completes with a local error
   std::vector<StagedPart> parts;     // GPU destinations, copied to the device at completion
   std::vector<StagedPart> sources;   // GPU sources, copied to the shadow at post (translate -> post_send)
-};
-
-// Pipelined staging of one WR's GPU sources: device -> shadow copies queued
-// on a CUDA stream in chunks of staging_chunk_bytes, each followed by an
-// event. The WR is with the engine already (SendWork::staged); as events
-// complete, set_ready() lets it send the bytes that landed, so the copy of
-// chunk k+1 overlaps the wire carrying chunk k, and post_send never waits
-// for the copy engine.
-class SoftQp;
-constexpr uint64_t staging_pipeline_bytes = 64 * 1024;
-constexpr uint64_t staging_chunk_bytes = 512 * 1024;
-struct StagingChunk {
-  uint32_t begin = 0, end = 0;  // message bytes the copy fills
-  GpuShadow* shadow = nullptr;  // kept alive by StagingJob::keep
-  gpu::CUevent event = nullptr;
-};
-struct StagingJob {
-  SoftQp* qp = nullptr;
-  uint64_t wr_id = 0;          // the engine's (the slot sequence)
-  uint32_t total = 0;          // message bytes
-  std::vector<StagingChunk> chunks;  // in message order
-  size_t next = 0;             // first chunk whose event has not completed
-  std::vector<std::shared_ptr<GpuShadow>> keep;  // the pinned memory the copies write
-  uint32_t ready() const { return next < chunks.size() ? chunks[next].begin : total; }
 };
 
 struct Tenant {
@@ -344,22 +214,11 @@ class SoftCq final : public CompletionQueue {
 
 class SoftQp;
 
-class SoftContext final : public Context {
+class SoftContext final : public Context, public host::HostClient {
  public:
-  explicit SoftContext(const ContextOptions& options) : options_(options) {}
+  explicit SoftContext(const ContextOptions& options) : options_(options), host_(mutex_, *this) {}
   ~SoftContext() override {
-    running_.store(false);
-    if (thread_.joinable()) {
-      kick();
-      thread_.join();
-    }
-    for (StagingJob& job : staging_) drop_staging(job);
-    staging_.clear();
-    for (auto& [key, stream] : staging_streams_) {
-      auto scope = gpu::ScopedDeviceContext::enter(*key.first, key.second);
-      if (scope) (void)key.first->api().cuStreamDestroy(stream);
-    }
-    if (kick_fd_ >= 0) ::close(kick_fd_);
+    host_.stop();  // no progress round runs from here on
   }
 
   Status start() {
@@ -367,41 +226,25 @@ class SoftContext final : public Context {
       return Status(Errc::invalid_argument,
                     "soft provider: bind a concrete IPv4 address, not 0.0.0.0 (peers send to it, and only datagrams from "
                     "a QP's peer address are accepted)");
-    Status s;
-    if (options_.mode == Mode::roce && options_.udp_port == 0) {
-      s = socket_.open(options_.bind_address, off::roce_udp_port);
-      if (!s.ok()) socket_.~UdpSocket(), new (&socket_) io::UdpSocket();
-    }
-    if (socket_.fd() < 0 || !s.ok()) {
-      s = socket_.open(options_.bind_address, options_.udp_port);
-      if (!s.ok()) return s;
-    }
-    kick_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    const uint32_t capacity = options_.mtu + uint32_t(off::max_header_bytes) + 64;
-    // With GRO one receive may carry up to 64 KiB of coalesced datagrams.
-    const uint32_t rx_capacity = socket_.gro() ? 65536 : capacity;
-    socket_.enable_gso(options_.mode == Mode::stellar);
-    rx_memory_.resize(size_t(rx_batch) * rx_capacity);
-    tx_memory_.resize(size_t(tx_batch) * capacity);
-    held_.resize(capacity);
-    for (int i = 0; i < rx_batch; ++i) rx_[i] = io::Datagram{rx_memory_.data() + size_t(i) * rx_capacity, rx_capacity, 0, {}, 0};
-    for (int i = 0; i < tx_batch; ++i) {
-      tx_[i] = off::TxBuffer{tx_memory_.data() + size_t(i) * capacity, capacity, 0};
-      out_[i] = io::Datagram{tx_[i].data, capacity, 0, {}, 0};
-    }
-    fault_random_.seed(options_.faults.seed ? options_.faults.seed : std::random_device{}());
-    faults_on_ = options_.faults.drop > 0 || options_.faults.duplicate > 0 || options_.faults.reorder > 0;
+    host::HostOptions h;
+    h.bind_address = options_.bind_address;
+    h.udp_port = options_.udp_port;
+    h.mode = engine_mode();
+    h.mtu = options_.mtu;
+    h.faults = host::FaultOptions{options_.faults.drop, options_.faults.duplicate, options_.faults.reorder, options_.faults.seed};
+    h.engine_thread = options_.progress == ProgressMode::thread;
+    h.adaptive_wait = options_.wait == WaitPolicy::adaptive;
+    h.spin_ns = uint64_t(options_.spin_time.count());
+    if (auto error = host_.open(h))
+      return Status(error->invalid_address ? Errc::invalid_argument : Errc::io_error, error->message);
     auto& t = tenants_[""];
     t.name = "";
     t.pkey = 0xffff;
     log().info("soft provider: {} mode on {}:{}, mtu {}, UDP GSO {}, GRO {}, {} progress, faults drop {} dup {} reorder {}",
-               to_string(options_.mode), local_address(), local_port(), options_.mtu, socket_.gso() ? "on" : "off",
-               socket_.gro() ? "on" : "off", options_.progress == ProgressMode::thread ? "engine-thread" : "inline",
+               to_string(options_.mode), local_address(), local_port(), options_.mtu, host_.gso() ? "on" : "off",
+               host_.gro() ? "on" : "off", options_.progress == ProgressMode::thread ? "engine-thread" : "inline",
                options_.faults.drop, options_.faults.duplicate, options_.faults.reorder);
-    if (options_.progress == ProgressMode::thread) {
-      running_.store(true);
-      thread_ = std::thread([this] { engine_thread(); });
-    }
+    host_.start();
     return {};
   }
 
@@ -436,112 +279,42 @@ class SoftContext final : public Context {
   void progress() override {
     if (options_.progress == ProgressMode::thread) return;
     std::lock_guard lock(mutex_);
-    progress_locked(monotonic_ns());
+    host_.progress_locked(monotonic_ns());
   }
-  void flush_acknowledgements() override;
-  int progress_fd() const override { return socket_.fd(); }
+  void flush_acknowledgements() override {
+    std::lock_guard lock(mutex_);
+    host_.flush_acknowledgements_locked(monotonic_ns());
+  }
+  int progress_fd() const override { return host_.fd(); }
   ContextCounters counters() const override;
   const ContextOptions& options() const override { return options_; }
-  std::string local_address() const override { return io::format_ipv4(socket_.local()); }
-  uint16_t local_port() const override { return ntohs(socket_.local().sin_port); }
+  std::string local_address() const override { return host::format_ipv4(host_.local()); }
+  uint16_t local_port() const override { return ntohs(host_.local().sin_port); }
 
   std::shared_ptr<SoftContext> self() { return std::static_pointer_cast<SoftContext>(shared_from_this()); }
+  off::Mode engine_mode() const { return options_.mode == Mode::roce ? off::Mode::roce : off::Mode::stellar; }
 
-  // Blocks in the kernel until a datagram, a kick, `extra_fd` or the next
-  // engine timer (at most `limit_ns`).
-  void sleep_until_work(uint64_t limit_ns, int extra_fd) {
-    uint64_t wake;
-    {
-      std::lock_guard lock(mutex_);
-      wake = next_wakeup_locked(monotonic_ns());
-    }
-    const uint64_t now = monotonic_ns();
-    const uint64_t until = std::min(limit_ns, wake);
-    if (until <= now) return;
-    pollfd fds[3] = {{socket_.fd(), POLLIN, 0}, {kick_fd_, POLLIN, 0}, {extra_fd, POLLIN, 0}};
-    // ppoll, not poll: engine timers (a delayed ACK is due 10 us out) need
-    // better than poll's whole milliseconds, or every such ACK waits 1 ms.
-    const uint64_t sleep_ns = std::min<uint64_t>(until - now, 1'000'000'000);
-    const timespec timeout{time_t(sleep_ns / 1'000'000'000), long(sleep_ns % 1'000'000'000)};
-    ::ppoll(fds, extra_fd >= 0 ? 3 : 2, &timeout, nullptr);
-    if (fds[1].revents & POLLIN) {
-      uint64_t v;
-      [[maybe_unused]] ssize_t r = ::read(kick_fd_, &v, sizeof v);
-    }
+  // HostClient: GPU copies feed engines (staged sources) and hold
+  // completions (destinations); both are polled every progress round.
+  void on_progress_locked(uint64_t) override {
+    if (!staging_.empty()) poll_staging();
+    if (held_completions_) poll_held_completions();
+  }
+  uint64_t next_wakeup_locked(uint64_t now) override {
+    return staging_.empty() && !held_completions_ ? UINT64_MAX : now + 10'000;  // copies in flight: look again in 10 us
   }
 
-  void kick() {
-    const uint64_t one = 1;
-    [[maybe_unused]] ssize_t r = ::write(kick_fd_, &one, sizeof one);
-  }
-
-  // Pipelined GPU source staging (StagingJob). All under mutex_.
-  Result<gpu::CUstream> staging_stream(const GpuShadow& shadow);
-  Status start_staging(StagingJob& job, const std::vector<StagedPart>& sources);
-  void poll_staging();              // advances jobs whose chunks landed
-  void drop_staging(StagingJob& job);  // waits for its copies, frees its events
-  void drop_staging_of(SoftQp* qp);
+  void poll_staging();              // advances pipelined GPU source copies (GpuStaging::poll)
   void poll_held_completions();     // delivers held completions whose copies are done
-  std::vector<StagingJob> staging_;
-  std::map<std::pair<const gpu::CudaDriver*, int>, gpu::CUstream> staging_streams_;
-  uint64_t held_completions_ = 0;  // completions QPs hold for destination copies (HeldCompletion)
-  // GPU registrations' pinned shadows (ShadowCache); bytes of the cached ones.
-  std::shared_ptr<std::atomic<uint64_t>> shadow_cache_bytes_ = std::make_shared<std::atomic<uint64_t>>(0);
-  ShadowCache shadow_cache_{[bytes = shadow_cache_bytes_](std::shared_ptr<GpuShadow>&& shadow) { *bytes -= shadow->pinned.size(); }};
 
   std::mutex mutex_;
   ContextOptions options_;
   std::map<std::string, Tenant> tenants_;
   std::unordered_map<uint64_t, SoftQp*> qps_;  // (pkey << 32 | qpn) -> QP with an engine
-  off::EngineCounters retired_{};               // counters of destroyed QPs
   uint64_t memory_generation_ = 1;               // bumped by every deregistration
-
-  // Sends what `engine` has due now, to `peer`; returns how many datagrams.
-  size_t flush_engine(off::QpEngine& engine, const sockaddr_in& peer, uint64_t now) {
-    size_t total = 0;
-    for (;;) {
-      const size_t n = engine.transmit(tx_, tx_batch, now);
-      if (n == 0) return total;
-      send_datagrams(n, peer);
-      total += n;
-      if (n < size_t(tx_batch)) return total;
-    }
-  }
-
-  // A QP being destroyed: its held-back acknowledgement, nothing else.
-  void send_final_acknowledgement(off::QpEngine& engine, const sockaddr_in& peer) {
-    const size_t n = engine.transmit_final_acknowledgement(tx_, 1, monotonic_ns());
-    if (n) send_datagrams(n, peer);
-  }
-
-  bool progress_locked(uint64_t now);
-  // One round of progress_locked: receive, then flush what engines have due;
-  // `more` says an engine still has datagrams due after its flush (a capped
-  // burst of READ responses in roce mode).
-  bool progress_round_locked(uint64_t now, bool& more);
-  uint64_t next_wakeup_locked(uint64_t now);
-  const sockaddr_in& local_socket() const { return socket_.local(); }
-
- private:
-  void engine_thread();
-  void send_datagrams(size_t n, const sockaddr_in& peer);
-  double uniform() { return std::uniform_real_distribution<double>(0, 1)(fault_random_); }
-
-  io::UdpSocket socket_;
-  int kick_fd_ = -1;
-  std::vector<uint8_t> rx_memory_, tx_memory_, held_;
-  io::Datagram rx_[rx_batch];
-  off::TxBuffer tx_[tx_batch];
-  iovec tx_parts_[tx_batch][off::max_segments + 2];
-  io::Datagram out_[tx_batch + 1];
-  uint32_t held_length_ = 0;
-  sockaddr_in held_peer_{};
-  bool faults_on_ = false;
-  std::mt19937_64 fault_random_;
-  std::thread thread_;
-  std::atomic<bool> running_{false};
-  uint64_t malformed_ = 0, unknown_qp_ = 0, send_errors_ = 0, receive_calls_ = 0, coalesced_ = 0;
-  uint64_t fault_dropped_ = 0, fault_duplicated_ = 0, fault_reordered_ = 0;
+  GpuStaging staging_;              // shadows, staging streams, pipelined source copies
+  uint64_t held_completions_ = 0;  // completions QPs hold for destination copies (HeldCompletion)
+  host::EngineHost host_;           // last: its engine thread stops before the rest goes
 };
 
 class SoftPd final : public ProtectionDomain, public std::enable_shared_from_this<SoftPd> {
@@ -601,45 +374,12 @@ Result<std::unique_ptr<MemoryRegion>> SoftPd::register_memory(void* addr, size_t
     if (!driver) return driver.status();
     auto info = gpu::query_pointer(**driver, addr);
     if (!info) return info.status();
-    ShadowCache& cache = context_->shadow_cache_;
-    // Shadows are keyed by page range: a registration's shadow covers its
-    // pages (where they stay inside the CUDA allocation), so another buffer
-    // in the same pages shares it. Pinned memory is allocated in pages anyway.
-    const gpu::PageRange cover = gpu::page_cover_within(e.addr, length, info->allocation_start, info->allocation_size, gpu::host_page_size());
-    const uint64_t cover_start = cover.start, cover_length = cover.length;
-    std::optional<ShadowCache::Reference> use = cache.lookup(e.addr, length);
-    if (use && (use->handle()->buffer_id != info->buffer_id || use->handle()->driver != *driver)) {
-      use.reset();  // that memory was freed and allocated again: its shadow is stale
-      cache.invalidate(cover_start, cover_length);
-    }
-    if (!use) {
-      auto shadow = std::make_shared<GpuShadow>();
-      shadow->driver = *driver;
-      shadow->device = cover_start;
-      shadow->ordinal = info->device_ordinal;
-      shadow->buffer_id = info->buffer_id;
-      {
-        auto scope = gpu::ScopedDeviceContext::enter(**driver, info->device_ordinal);
-        if (!scope) return scope.status();
-        auto pinned = gpu::PinnedBuffer::allocate(**driver, cover_length);
-        if (!pinned) return pinned.status();
-        shadow->pinned = std::move(*pinned);
-        std::lock_guard lock(context_->mutex_);
-        auto stream = context_->staging_stream(*shadow);
-        if (!stream) return stream.status();
-        shadow->stream = *stream;
-      }
-      // No copy now: every path that reads the shadow fills it first (a
-      // source at post, a remote READ when it arrives), and every path that
-      // writes it copies what it wrote to the device.
-      if (*context_->shadow_cache_bytes_ + cover_length > shadow_cache_bytes) cache.flush();  // drop unused shadows
-      *context_->shadow_cache_bytes_ += cover_length;
-      use = cache.insert(cover_start, cover_length, std::move(shadow));
-    }
-    e.gpu = use->handle();
-    e.shadow_offset = e.addr - e.gpu->device;
+    auto use = context_->staging_.shadow_for(**driver, *info, e.addr, length, context_->mutex_);
+    if (!use) return use.status();
+    e.gpu = use->shadow;
+    e.shadow_offset = use->offset;
     e.host = e.gpu->host() + e.shadow_offset;
-    e.shadow_use = std::make_shared<ShadowCache::Reference>(std::move(*use));
+    e.shadow_use = use->use;
   }
   std::lock_guard lock(context_->mutex_);
   Tenant& t = context_->tenants_.at(tenant_);
@@ -657,8 +397,7 @@ Result<std::unique_ptr<MemoryRegion>> SoftPd::register_memory(void* addr, size_t
 struct HeldCompletion {
   off::Completion c;
   bool report = true;  // false: an unsignaled send, held only to keep the order
-  std::vector<std::pair<std::shared_ptr<GpuShadow>, gpu::CUevent>> events;  // one per stream copied on
-  std::vector<std::shared_ptr<GpuShadow>> keep;  // the pinned memory the copies read
+  GpuCopies gpu;       // the copies it waits for
   std::vector<GpuShadow*> flushed;  // shadows whose dirty ranges these copies flush (Tenant::flushing)
   uint64_t flush_sequence = 0;
 };
@@ -685,27 +424,27 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
     std::lock_guard lock(c.mutex_);
     Tenant& t = c.tenants_.at(pd_->tenant());
     t.qpns.erase(qpn_);
-    c.drop_staging_of(this);
+    c.staging_.drop_owned_by(this);
     poll_held(true);  // copies still write the device: wait, and deliver what completed
     if (engine_) {
-      // Acknowledge what was delivered here before the QP goes: the peer's
-      // last SEND (a "bye") must complete there, not retry into a closed QP.
-      c.send_final_acknowledgement(*engine_, peer_);
+      // The host acknowledges what was delivered here before the engine
+      // goes (the peer's last SEND must complete there) and keeps its counters.
       c.qps_.erase(uint64_t(pkey_) << 32 | qpn_);
-      accumulate(c.retired_, engine_->counters());
+      c.host_.detach_locked(engine_);
+      engine_ = nullptr;
     }
   }
 
   uint32_t qp_num() const override { return qpn_; }
   QpState state() const override {
     std::lock_guard lock(const_cast<SoftQp*>(this)->context().mutex_);
-    return engine_ && engine_->in_error() ? QpState::error : state_;
+    return in_error() ? QpState::error : state_;
   }
 
   Status modify(const QpModify& m) override {
     SoftContext& c = context();
     std::lock_guard lock(c.mutex_);
-    const QpState current = engine_ && engine_->in_error() ? QpState::error : state_;
+    const QpState current = in_error() ? QpState::error : state_;
     auto bad = [&] {
       return Status(Errc::wrong_state, std::string("QP ") + std::to_string(qpn_) + ": cannot go from " + to_string(current) +
                                            " to " + to_string(m.state));
@@ -723,8 +462,8 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
                                                     to_string(c.options_.mode));
         if (m.remote.pkey != pkey_) return Status(Errc::permission_denied, "peer QP belongs to another partition (tenant)");
         if (Status st = check_remote(m.remote, c.options_.mode); !st.ok()) return st;
-        auto peer = io::parse_ipv4(m.remote.address, m.remote.udp_port);
-        if (!peer) return peer.status();
+        auto peer = host::parse_ipv4(m.remote.address, m.remote.udp_port);
+        if (!peer) return Status(Errc::invalid_argument, "not an IPv4 address: '" + m.remote.address + "'");
         if (Status st = check_peer_address(*peer, m.remote.address); !st.ok()) return st;
         peer_ = *peer;
         off::EngineConfig e;
@@ -753,11 +492,9 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
         }
         e.cc_config.line_rate_bps = c.options_.line_rate_bps;
         e.cc_config.swift_target_delay_ns = uint64_t(c.options_.cc_target_delay.count());
-        const sockaddr_in& local = c.local_socket();
-        e.tx_addresses = off::IcrcAddresses{local.sin_addr.s_addr, peer_.sin_addr.s_addr, ntohs(local.sin_port), ntohs(peer_.sin_port)};
-        rx_addresses_ = off::IcrcAddresses{peer_.sin_addr.s_addr, local.sin_addr.s_addr, ntohs(peer_.sin_port), ntohs(local.sin_port)};
-        engine_ = std::make_unique<off::QpEngine>(e, *this, *this);
-        for (auto& r : early_receives_) engine_->post_receive(r);
+        // The host fills in the ICRC addresses and dispatches (pkey, qpn) from peer_ to the engine.
+        engine_ = c.host_.attach_locked(e, peer_, *this, *this);
+        for (auto& r : early_receives_) c.host_.post_receive_locked(engine_, r);
         early_receives_.clear();
         c.qps_[uint64_t(pkey_) << 32 | qpn_] = this;
         state_ = QpState::rtr;
@@ -770,7 +507,7 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
       case QpState::error:
         log().debug("QP {}: moved to ERROR by the user", qpn_);
         state_ = QpState::error;
-        if (engine_) engine_->enter_error();
+        if (engine_) c.host_.enter_error_locked(engine_);
         else flush_early_receives();
         return {};
       case QpState::reset:
@@ -782,13 +519,13 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
   Status post_send(const SendWr& wr) override {
     SoftContext& c = context();
     std::lock_guard lock(c.mutex_);
-    const QpState current = engine_ && engine_->in_error() ? QpState::error : state_;
+    const QpState current = in_error() ? QpState::error : state_;
     if (current != QpState::rts && current != QpState::error)
       return Status(Errc::wrong_state, std::string("post_send on QP ") + std::to_string(qpn_) + " in " + to_string(current) + " (needs RTS)");
     if (wr.sg_list.size() > cap_.max_send_sge || wr.sg_list.size() > off::max_segments)
       return Status(Errc::invalid_argument, "post_send: " + std::to_string(wr.sg_list.size()) + " SGEs exceed max_send_sge");
     // Completions held for GPU copies still count as outstanding (the CQ was sized for max_send_wr of them).
-    if (engine_ && !held_[0].empty() && engine_->outstanding_sends() + held_[0].size() >= cap_.max_send_wr)
+    if (engine_ && !held_[0].empty() && c.host_.outstanding_sends_locked(engine_) + held_[0].size() >= cap_.max_send_wr)
       return Status(Errc::queue_full, "post_send: send queue full (max_send_wr " + std::to_string(cap_.max_send_wr) + ", some completions waiting for GPU copies)");
     off::SendWork w;
     // The engine sees the slot's sequence number; deliver() maps it back.
@@ -828,11 +565,11 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
     // the engine sending each chunk as it lands.
     StagingJob job;
     if (!slot.sources.empty()) {
-      if (total >= staging_pipeline_bytes && !engine_->in_error()) {
-        job.qp = this;
+      if (total >= staging_pipeline_bytes && !c.host_.in_error_locked(engine_)) {
+        job.owner = this;
         job.wr_id = sequence;
         job.total = uint32_t(total);
-        if (Status st = c.start_staging(job, slot.sources); !st.ok()) return st;
+        if (Status st = c.staging_.start(job, slot.sources); !st.ok()) return st;
         w.staged = true;
       } else {
         for (const StagedPart& part : slot.sources)
@@ -845,11 +582,11 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
     // flushed in ERROR); swapped back out if the engine refuses it.
     WrSlot& placed = send_slots_[sequence % send_slots_.size()];
     std::swap(placed, slot);
-    const off::PostResult posted = engine_->post_send(w, now);
+    const off::PostResult posted = c.host_.post_send_locked(engine_, w, now);
     if (posted != off::PostResult::ok) std::swap(placed, slot);
     if (w.staged) {
-      if (posted == off::PostResult::ok && engine_->set_ready(sequence, job.ready())) c.staging_.push_back(std::move(job));
-      else c.drop_staging(job);  // refused, or flushed at once: the copies have nobody to feed
+      if (posted == off::PostResult::ok && c.host_.set_ready_locked(engine_, sequence, job.ready())) c.staging_.add(std::move(job));
+      else GpuStaging::drop(job);  // refused, or flushed at once: the copies have nobody to feed
     }
     switch (posted) {
       case off::PostResult::ok: break;
@@ -858,8 +595,7 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
       case off::PostResult::qp_in_error: return Status(Errc::wrong_state, "post_send: QP in ERROR");
     }
     send_sequence_ = sequence;
-    if (c.options_.progress == ProgressMode::inline_poll) c.flush_engine(*engine_, peer_, now);
-    else c.kick();
+    c.host_.posted_locked(engine_, now);  // inline: transmitted now; engine thread: kicked
     return {};
   }
 
@@ -869,7 +605,7 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
     if (state_ == QpState::reset) return Status(Errc::wrong_state, "post_recv on QP " + std::to_string(qpn_) + " in RESET (needs INIT or later)");
     if (wr.sg_list.size() > cap_.max_recv_sge || wr.sg_list.size() > off::max_segments)
       return Status(Errc::invalid_argument, "post_recv: too many SGEs");
-    if (engine_ && !held_[1].empty() && engine_->outstanding_receives() + held_[1].size() >= cap_.max_recv_wr)
+    if (engine_ && !held_[1].empty() && c.host_.outstanding_receives_locked(engine_) + held_[1].size() >= cap_.max_recv_wr)
       return Status(Errc::queue_full, "post_recv: receive queue full (max_recv_wr " + std::to_string(cap_.max_recv_wr) + ", some completions waiting for GPU copies)");
     off::ReceiveWork r;
     const uint64_t sequence = receive_sequence_ + 1;
@@ -893,7 +629,7 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
     }
     WrSlot& placed = recv_slots_[sequence % recv_slots_.size()];
     std::swap(placed, slot);  // before the engine may complete it (see post_send)
-    const off::PostResult posted = engine_->post_receive(r);
+    const off::PostResult posted = c.host_.post_receive_locked(engine_, r);
     if (posted != off::PostResult::ok) std::swap(placed, slot);
     switch (posted) {
       case off::PostResult::ok:
@@ -938,7 +674,7 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
     WrSlot& slot = receive ? recv_slots_[c.wr_id % recv_slots_.size()] : send_slots_[c.wr_id % send_slots_.size()];
     c.wr_id = slot.wr_id;
     if (slot.staging_failed && !receive) c.status = off::CompletionStatus::local_qp_operation_error;
-    HeldCompletion held{c, slot.signaled || receive, {}, {}, {}, 0};
+    HeldCompletion held{c, slot.signaled || receive, {}, {}, 0};
     std::vector<StagedPart> copies;  // shadow -> device, before the completion may be seen
     uint64_t bytes = 0;
     if (c.status == off::CompletionStatus::success) {
@@ -969,10 +705,10 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
       // and timers): they are queued on the staging stream and this
       // completion waits for them, and later ones of its queue behind it.
       bool ok = true;
-      for (const StagedPart& copy : copies) ok = queue_copy(held, copy) && ok;
+      for (const StagedPart& copy : copies) ok = held.gpu.queue_copy(copy) && ok;
       if (flushes_running)
-        for (auto& [g, sequence] : tenant_->flushing) wait_on_stream(held, g->shared_from_this());
-      if (!record_events(held)) ok = false;
+        for (auto& [g, sequence] : tenant_->flushing) held.gpu.wait_on_stream(g->shared_from_this());
+      if (!held.gpu.record_events()) ok = false;
       if (!ok) held.c.status = off::CompletionStatus::local_protection_error;
       if (!held.flushed.empty()) {
         held.flush_sequence = ++tenant_->flush_sequence;
@@ -980,7 +716,7 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
       }
       queue.push_back(std::move(held));
       ++context().held_completions_;
-      if (context().options_.progress == ProgressMode::thread) context().kick();  // its wake-up may be later than 10 us
+      if (context().options_.progress == ProgressMode::thread) context().host_.kick();  // its wake-up may be later than 10 us
       return;
     }
     for (const StagedPart& copy : copies)
@@ -994,24 +730,9 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
     for (std::deque<HeldCompletion>& queue : held_) {
       while (!queue.empty()) {
         HeldCompletion& h = queue.front();
-        bool ready = true;
-        for (auto& [shadow, event] : h.events) {
-          if (!event) continue;
-          auto scope = gpu::ScopedDeviceContext::enter(*shadow->driver, shadow->ordinal);
-          const gpu::CUresult r = !scope ? gpu::CUDA_ERROR_NOT_INITIALIZED
-                                  : wait ? shadow->driver->api().cuEventSynchronize(event)
-                                         : shadow->driver->api().cuEventQuery(event);
-          if (r == gpu::CUDA_ERROR_NOT_READY) {
-            ready = false;
-            break;
-          }
-          if (r != gpu::CUDA_SUCCESS) {
-            log().warn("soft provider: copy of a GPU destination failed: {}", shadow->driver->check(r, "cuEventQuery").to_string());
-            h.c.status = off::CompletionStatus::local_protection_error;
-          }
-          if (scope) (void)shadow->driver->api().cuEventDestroy(event);
-          event = nullptr;
-        }
+        bool failed = false;
+        const bool ready = h.gpu.poll(wait, failed);
+        if (failed) h.c.status = off::CompletionStatus::local_protection_error;
         if (!ready) break;  // in order: nothing behind it goes first
         report(h);
         queue.pop_front();
@@ -1029,11 +750,10 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
     return e.pd == pd_.get() && (e.access & access) == access && a >= base && length <= e.length && a - base <= e.length - length;
   }
 
-  off::QpEngine* engine() { return engine_.get(); }
+  host::EngineHost::Engine* engine() { return engine_; }
+  bool in_error() const { return engine_ && pd_->context().host_.in_error_locked(engine_); }
   bool holds_completions() const { return !held_[0].empty() || !held_[1].empty(); }
   void mark_staging_failed(uint64_t engine_wr_id) { send_slots_[engine_wr_id % send_slots_.size()].staging_failed = true; }
-  const sockaddr_in& peer() const { return peer_; }
-  const off::IcrcAddresses& rx_addresses() const { return rx_addresses_; }
   void bind_tenant(Tenant* t) { tenant_ = t; }
 
  private:
@@ -1092,46 +812,6 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
     if (h.report || h.c.status != off::CompletionStatus::success) (h.c.is_receive() ? recv_cq_ : send_cq_)->push(h.c);
   }
 
-  // Held completions: queue_copy() puts a shadow -> device copy on its
-  // shadow's stream, wait_on_stream() adds a stream to wait for without a
-  // copy, record_events() then records one event per stream after all of
-  // it. False when a copy or event could not be queued: the completion then
-  // reports an error, once what was queued has run (a stream without its
-  // event is waited for at once).
-  bool queue_copy(HeldCompletion& held, const StagedPart& copy) {
-    const bool ok = copy.shadow->to_device_async(copy.offset, copy.length).ok();
-    wait_on_stream(held, copy.shadow);
-    return ok;
-  }
-  static void wait_on_stream(HeldCompletion& held, const std::shared_ptr<GpuShadow>& shadow) {
-    held.keep.push_back(shadow);
-    const bool seen = std::any_of(held.events.begin(), held.events.end(),
-                                  [&](const auto& e) { return e.first->stream == shadow->stream; });
-    if (!seen) held.events.emplace_back(shadow, nullptr);
-  }
-  static bool record_events(HeldCompletion& held) {
-    bool ok = true;
-    for (auto& [shadow, event] : held.events) {
-      const gpu::CudaApi& api = shadow->driver->api();
-      auto scope = gpu::ScopedDeviceContext::enter(*shadow->driver, shadow->ordinal);
-      if (!scope) {
-        ok = false;
-        continue;
-      }
-      if (api.cuEventCreate(&event, gpu::CU_EVENT_DISABLE_TIMING) != gpu::CUDA_SUCCESS) {
-        event = nullptr;
-      } else if (api.cuEventRecord(event, shadow->stream) != gpu::CUDA_SUCCESS) {
-        (void)api.cuEventDestroy(event);
-        event = nullptr;
-      }
-      if (!event) {
-        ok = false;
-        (void)api.cuStreamSynchronize(shadow->stream);  // no event to wait on: wait now
-      }
-    }
-    return ok;
-  }
-
   void flush_early_receives() {
     for (auto& r : early_receives_)
       recv_cq_->push(off::Completion{recv_slots_[r.wr_id % recv_slots_.size()].wr_id, off::CompletionStatus::work_request_flushed,
@@ -1150,8 +830,7 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
   Tenant* tenant_ = nullptr;
   QpState state_ = QpState::reset;
   sockaddr_in peer_{};
-  off::IcrcAddresses rx_addresses_{};
-  std::unique_ptr<off::QpEngine> engine_;
+  host::EngineHost::Engine* engine_ = nullptr;  // with the host from RTR on
   std::vector<off::ReceiveWork> early_receives_;
   std::vector<WrSlot> send_slots_, recv_slots_;
   WrSlot pending_slot_;  // the WR being posted
@@ -1194,7 +873,7 @@ Result<int> SoftCq::wait(std::span<WorkCompletion> out, std::chrono::nanoseconds
         pollfd p{wait_fd_, POLLIN, 0};
         ::poll(&p, 1, int(std::min<uint64_t>((deadline - now + 999'999) / 1'000'000, 1000)));
       } else {
-        context_->sleep_until_work(deadline, wait_fd_);
+        context_->host_.sleep_until_work(deadline, wait_fd_);
       }
       waiting_.store(false);
       uint64_t v;
@@ -1234,180 +913,6 @@ Result<std::shared_ptr<QueuePair>> SoftPd::create_qp(const QpInitAttributes& att
   return std::shared_ptr<QueuePair>(qp);
 }
 
-void SoftContext::send_datagrams(size_t n, const sockaddr_in& peer) {
-  int count = 0;
-  bool released_held = false;
-  for (size_t i = 0; i < n; ++i) {
-    io::Datagram d{tx_[i].data, tx_[i].capacity, tx_[i].length, peer, 0};
-    if (tx_[i].piece_count) {
-      // Zero-copy: headers from the send buffer, payload from registered memory.
-      iovec* parts = tx_parts_[i];
-      uint32_t k = 0;
-      parts[k++] = {tx_[i].data, tx_[i].header_length};
-      for (uint32_t j = 0; j < tx_[i].piece_count; ++j)
-        parts[k++] = {const_cast<uint8_t*>(tx_[i].pieces[j].data), tx_[i].pieces[j].length};
-      parts[k++] = {tx_[i].trailer, tx_[i].trailer_length};
-      d.parts = parts;
-      d.part_count = k;
-    }
-    if (faults_on_) {
-      if (uniform() < options_.faults.drop) {
-        ++fault_dropped_;
-        continue;
-      }
-      if (held_length_ == 0 && !released_held && uniform() < options_.faults.reorder) {
-        held_length_ = uint32_t(off::flatten(tx_[i], held_.data(), held_.size()));  // sent after the next datagram
-        held_peer_ = peer;
-        ++fault_reordered_;
-        continue;
-      }
-    }
-    out_[count++] = d;
-    if (faults_on_) {
-      if (uniform() < options_.faults.duplicate && count < tx_batch) {
-        out_[count++] = d;
-        ++fault_duplicated_;
-      }
-      if (held_length_ && count < tx_batch) {
-        // held_ stays referenced by out_ until the batch is sent: hold nothing else in this batch.
-        out_[count++] = io::Datagram{held_.data(), uint32_t(held_.size()), held_length_, held_peer_, 0};
-        held_length_ = 0;
-        released_held = true;
-      }
-    }
-    if (count >= tx_batch - 1) {
-      int error = 0;
-      const int sent = socket_.send_batch(out_, count, error);
-      if (sent < count) send_errors_ += uint64_t(count - sent);
-      count = 0;
-    }
-  }
-  if (count) {
-    int error = 0;
-    const int sent = socket_.send_batch(out_, count, error);
-    if (sent < count) send_errors_ += uint64_t(count - sent);
-  }
-}
-
-bool SoftContext::progress_locked(uint64_t now) {
-  // A roce-mode responder sends READ responses in bursts (EngineConfig::
-  // max_response_burst) so that re-requests are read between them; rounds
-  // continue until the bursts are out, receiving between them, instead of
-  // leaving the rest until the next packet or call arrives (an application
-  // asleep in epoll would otherwise stall the READ until the peer's RTO).
-  bool work = false, more = true;
-  for (int round = 0; more && round < 64; ++round) {
-    more = false;
-    work = progress_round_locked(now, more) || work;
-  }
-  return work;
-}
-
-bool SoftContext::progress_round_locked(uint64_t now, bool& more) {
-  bool work = false;
-  if (!staging_.empty()) poll_staging();
-  if (held_completions_) poll_held_completions();
-  const off::Mode mode = options_.mode == Mode::roce ? off::Mode::roce : off::Mode::stellar;
-  for (int round = 0; round < 4; ++round) {
-    const int n = socket_.receive_batch(rx_, rx_batch);
-    if (n == 0) break;
-    work = true;
-    ++receive_calls_;
-    // Kernel arrival stamps are CLOCK_REALTIME; the engine runs on MONOTONIC.
-    timespec real;
-    clock_gettime(CLOCK_REALTIME, &real);
-    const uint64_t realtime_now = uint64_t(real.tv_sec) * 1'000'000'000ull + uint64_t(real.tv_nsec);
-    const uint64_t monotonic_now = monotonic_ns();
-    for (int i = 0; i < n; ++i) {
-      const uint64_t stamp = rx_[i].arrival_realtime_ns;
-      // A stamp more than 1 s old means CLOCK_REALTIME stepped: no host-delay estimate then.
-      const uint64_t age = stamp && stamp <= realtime_now ? realtime_now - stamp : UINT64_MAX;
-      const uint64_t arrival = age < 1'000'000'000 && age < monotonic_now ? monotonic_now - age : 0;
-      const uint32_t step = rx_[i].segment_size ? rx_[i].segment_size : std::max<uint32_t>(rx_[i].length, 1);
-      if (rx_[i].segment_size) coalesced_ += (rx_[i].length + step - 1) / step;
-      for (uint32_t at = 0; at < rx_[i].length || (at == 0 && rx_[i].length == 0); at += step) {
-        const uint8_t* data = rx_[i].data + at;
-        const uint32_t length = std::min(step, rx_[i].length - at);
-        uint16_t pkey;
-        uint32_t qpn;
-        if (!off::peek_destination(mode, data, length, pkey, qpn)) {
-          ++malformed_;
-          break;
-        }
-        auto it = qps_.find(uint64_t(pkey) << 32 | qpn);
-        if (it == qps_.end() || it->second->peer().sin_addr.s_addr != rx_[i].peer.sin_addr.s_addr ||
-            it->second->peer().sin_port != rx_[i].peer.sin_port) {
-          ++unknown_qp_;  // no such QP in that tenant, or not from its peer
-          continue;
-        }
-        it->second->engine()->receive(data, length, it->second->rx_addresses(), now, arrival);
-      }
-    }
-    if (n < rx_batch) break;
-  }
-  for (auto& [key, qp] : qps_) {
-    off::QpEngine& e = *qp->engine();
-    if (e.next_wakeup_ns(now) <= now && flush_engine(e, qp->peer(), now) > 0) {
-      work = true;
-      if (e.next_wakeup_ns(now) <= now) more = true;
-    }
-  }
-  if (held_length_) {
-    // A datagram held back for reordering goes out now if nothing overtook it.
-    io::Datagram d{held_.data(), uint32_t(held_.size()), held_length_, held_peer_, 0};
-    int error = 0;
-    if (socket_.send_batch(&d, 1, error) != 1) ++send_errors_;
-    held_length_ = 0;
-  }
-  return work;
-}
-
-Result<gpu::CUstream> SoftContext::staging_stream(const GpuShadow& shadow) {
-  const auto key = std::make_pair(shadow.driver, shadow.ordinal);
-  auto it = staging_streams_.find(key);
-  if (it != staging_streams_.end()) return it->second;
-  gpu::CUstream stream = nullptr;
-  if (Status s = shadow.driver->check(shadow.driver->api().cuStreamCreate(&stream, gpu::CU_STREAM_NON_BLOCKING), "cuStreamCreate (soft provider staging)"); !s)
-    return s;
-  staging_streams_.emplace(key, stream);
-  return stream;
-}
-
-Status SoftContext::start_staging(StagingJob& job, const std::vector<StagedPart>& sources) {
-  for (const StagedPart& part : sources) {
-    GpuShadow& shadow = *part.shadow;
-    const gpu::CudaApi& api = shadow.driver->api();
-    auto scope = gpu::ScopedDeviceContext::enter(*shadow.driver, shadow.ordinal);
-    if (!scope) {
-      drop_staging(job);
-      return scope.status();
-    }
-    auto stream = staging_stream(shadow);
-    if (!stream) {
-      drop_staging(job);
-      return stream.status();
-    }
-    job.keep.push_back(part.shadow);
-    for (uint64_t done = 0; done < part.length;) {
-      const uint64_t n = std::min(staging_chunk_bytes, part.length - done);
-      StagingChunk chunk{uint32_t(part.message_offset + done), uint32_t(part.message_offset + done + n), &shadow, nullptr};
-      Status st = shadow.driver->check(api.cuMemcpyDtoHAsync(shadow.host() + part.offset + done, shadow.device + part.offset + done, n, *stream),
-                                       "cuMemcpyDtoHAsync (soft provider staging)");
-      if (st) st = shadow.driver->check(api.cuEventCreate(&chunk.event, gpu::CU_EVENT_DISABLE_TIMING), "cuEventCreate");
-      if (st) {
-        job.chunks.push_back(chunk);
-        st = shadow.driver->check(api.cuEventRecord(chunk.event, *stream), "cuEventRecord");
-      }
-      if (!st) {
-        (void)api.cuStreamSynchronize(*stream);  // a copy may be queued without its event
-        drop_staging(job);
-        return st;
-      }
-      done += n;
-    }
-  }
-  return {};
-}
 
 void SoftContext::poll_held_completions() {
   for (auto& [key, qp] : qps_)
@@ -1415,117 +920,23 @@ void SoftContext::poll_held_completions() {
 }
 
 void SoftContext::poll_staging() {
-  for (size_t i = 0; i < staging_.size();) {
-    StagingJob& job = staging_[i];
-    const uint32_t before = job.ready();
-    bool failed = false;
-    while (job.next < job.chunks.size()) {
-      StagingChunk& chunk = job.chunks[job.next];
-      auto scope = gpu::ScopedDeviceContext::enter(*chunk.shadow->driver, chunk.shadow->ordinal);
-      const gpu::CUresult r = scope ? chunk.shadow->driver->api().cuEventQuery(chunk.event) : gpu::CUDA_ERROR_NOT_INITIALIZED;
-      if (r == gpu::CUDA_ERROR_NOT_READY) break;
-      if (r != gpu::CUDA_SUCCESS) {
-        log().warn("soft provider: staging copy of a GPU source failed: {}", chunk.shadow->driver->check(r, "cuEventQuery").to_string());
-        failed = true;
-        break;
-      }
-      (void)chunk.shadow->driver->api().cuEventDestroy(chunk.event);
-      chunk.event = nullptr;
-      ++job.next;
-    }
-    off::QpEngine* engine = job.qp->engine();
-    bool keep = !failed && job.next < job.chunks.size();
+  staging_.poll([this](StagingJob& job, bool failed) {
+    SoftQp* qp = static_cast<SoftQp*>(const_cast<void*>(job.owner));
     if (failed) {
       // As a NIC's failed DMA read: this WR fails, the QP goes to ERROR.
-      job.qp->mark_staging_failed(job.wr_id);
-      engine->enter_error();
-    } else if (job.ready() != before && !engine->set_ready(job.wr_id, job.ready())) {
-      keep = false;  // the WR is gone (flushed): nothing left to feed
+      qp->mark_staging_failed(job.wr_id);
+      host_.enter_error_locked(qp->engine());
+      return false;
     }
-    if (keep) {
-      ++i;
-      continue;
-    }
-    drop_staging(job);
-    staging_.erase(staging_.begin() + long(i));
-  }
-}
-
-void SoftContext::drop_staging(StagingJob& job) {
-  for (size_t k = job.next; k < job.chunks.size(); ++k) {
-    StagingChunk& chunk = job.chunks[k];
-    if (!chunk.event) continue;
-    auto scope = gpu::ScopedDeviceContext::enter(*chunk.shadow->driver, chunk.shadow->ordinal);
-    if (scope) {
-      (void)chunk.shadow->driver->api().cuEventSynchronize(chunk.event);  // the copy writes memory `keep` holds
-      (void)chunk.shadow->driver->api().cuEventDestroy(chunk.event);
-    }
-    chunk.event = nullptr;
-  }
-  job.next = job.chunks.size();
-  job.keep.clear();
-}
-
-void SoftContext::drop_staging_of(SoftQp* qp) {
-  for (size_t i = 0; i < staging_.size();) {
-    if (staging_[i].qp != qp) {
-      ++i;
-      continue;
-    }
-    drop_staging(staging_[i]);
-    staging_.erase(staging_.begin() + long(i));
-  }
-}
-
-void SoftContext::flush_acknowledgements() {
-  std::lock_guard lock(mutex_);
-  const uint64_t now = monotonic_ns();
-  for (auto& [key, qp] : qps_) {
-    qp->engine()->acknowledge_now(now);
-    flush_engine(*qp->engine(), qp->peer(), now);
-  }
-}
-
-uint64_t SoftContext::next_wakeup_locked(uint64_t now) {
-  uint64_t t = staging_.empty() && !held_completions_ ? UINT64_MAX : now + 10'000;  // copies in flight: look again in 10 us
-  for (auto& [key, qp] : qps_) t = std::min(t, qp->engine()->next_wakeup_ns(now));
-  return t;
-}
-
-void SoftContext::engine_thread() {
-  uint64_t idle_since = monotonic_ns();
-  while (running_.load(std::memory_order_relaxed)) {
-    bool work;
-    {
-      std::lock_guard lock(mutex_);
-      work = progress_locked(monotonic_ns());
-    }
-    const uint64_t now = monotonic_ns();
-    if (work) {
-      idle_since = now;
-    } else if (options_.wait == WaitPolicy::adaptive && now - idle_since >= uint64_t(options_.spin_time.count())) {
-      uint64_t next;
-      {
-        std::lock_guard lock(mutex_);
-        next = next_wakeup_locked(now);
-      }
-      // A timer due within the spin time is cheaper to spin for than to sleep
-      // for (the kernel's timer slack alone is 50 us).
-      if (next > now + uint64_t(options_.spin_time.count())) {
-        sleep_until_work(now + 10'000'000, -1);
-        idle_since = monotonic_ns();
-      }
-    }
-  }
+    return host_.set_ready_locked(qp->engine(), job.wr_id, job.ready());  // false: the WR is gone (flushed)
+  });
 }
 
 ContextCounters SoftContext::counters() const {
   auto& self = const_cast<SoftContext&>(*this);
   std::lock_guard lock(self.mutex_);
-  off::EngineCounters sum = retired_;
-  for (auto& [key, qp] : qps_) {
-    accumulate(sum, qp->engine()->counters());
-  }
+  const host::HostCounters h = host_.counters_locked();
+  const off::EngineCounters& sum = h.engines;
   ContextCounters c;
   c.tx_packets = sum.tx_packets;
   c.tx_bytes = sum.tx_bytes;
@@ -1534,20 +945,20 @@ ContextCounters SoftContext::counters() const {
   c.retransmitted_packets = sum.retransmitted_packets;
   c.timeouts = sum.timeouts;
   c.tail_probes = sum.tail_probes;
-  c.rx_dropped_malformed = malformed_ + sum.decode_errors;
-  c.rx_dropped_unknown_qp = unknown_qp_ + sum.unexpected_packets;
+  c.rx_dropped_malformed = h.malformed + sum.decode_errors;
+  c.rx_dropped_unknown_qp = h.unknown_qp + sum.unexpected_packets;
   c.rx_dropped_out_of_window = sum.out_of_window;
   c.rx_duplicates = sum.duplicates;
   c.rx_access_errors = sum.access_errors;
   c.rnr_naks_sent = sum.rnr_naks_sent;
   c.rx_requests_dropped_full = sum.requests_dropped_full;
   c.rx_dropped_bad_token = sum.bad_token;
-  c.fault_dropped = fault_dropped_;
-  c.fault_duplicated = fault_duplicated_;
-  c.fault_reordered = fault_reordered_;
-  c.send_errors = send_errors_;
-  c.rx_receive_calls = receive_calls_;
-  c.rx_coalesced = coalesced_;
+  c.fault_dropped = h.faults.dropped;
+  c.fault_duplicated = h.faults.duplicated;
+  c.fault_reordered = h.faults.reordered;
+  c.send_errors = h.send_errors;
+  c.rx_receive_calls = h.receive_calls;
+  c.rx_coalesced = h.coalesced;
   return c;
 }
 

@@ -1,18 +1,18 @@
-// Batched UDP I/O for the soft provider: non-blocking IPv4 socket,
+// Batched UDP I/O for the engine host: non-blocking IPv4 socket,
 // recvmmsg/sendmmsg batches into caller-owned preallocated buffers (no
 // allocation or locking per datagram). Not thread-safe: one driver thread.
+// Part of the engine host (offload/host): no dependency on src/.
 #pragma once
 
 #include <netinet/in.h>
 #include <sys/uio.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
-#include "stellar/status.hpp"
-
-namespace stellar::io {
+namespace stellar::host {
 
 struct Datagram {
   uint8_t* data = nullptr;
@@ -31,16 +31,30 @@ struct Datagram {
   uint32_t part_count = 0;
 };
 
+// Why open failed: `invalid_address` when the address is not IPv4 text,
+// else a system call failed (`message` names it and the errno text).
+struct SocketError {
+  bool invalid_address = false;
+  std::string message;
+};
+
 class UdpSocket {
  public:
+  // Datagrams one receive_batch() call fills at most, and messages one
+  // sendmmsg carries (send_batch() loops for more). The host's batches are
+  // sized against it (static_assert in engine_host.hpp).
+  static constexpr int max_batch = 64;
+
   UdpSocket() = default;
   ~UdpSocket();
   UdpSocket(const UdpSocket&) = delete;
   UdpSocket& operator=(const UdpSocket&) = delete;
 
   // Binds address:port (port 0: any). Large socket buffers, DF set, UDP GRO
-  // on where the kernel has it.
-  Status open(const std::string& address, uint16_t port);
+  // on where the kernel has it. nullopt on success.
+  std::optional<SocketError> open(const std::string& address, uint16_t port);
+  // Closes the socket (open may be called again).
+  void close();
   // Send runs of equal-sized datagrams to one peer as one UDP GSO message
   // (one syscall entry and one skb per up to 64 KiB). Off by default: with
   // GSO the kernel numbers IP ids of the segments, which the RoCEv2 ICRC
@@ -76,7 +90,8 @@ class UdpSocket {
   void set_gro(bool on);
 };
 
-Result<sockaddr_in> parse_ipv4(const std::string& address, uint16_t port);
+// nullopt when `address` is not a dotted-quad IPv4 address.
+std::optional<sockaddr_in> parse_ipv4(const std::string& address, uint16_t port);
 std::string format_ipv4(const sockaddr_in&);
 
-}  // namespace stellar::io
+}  // namespace stellar::host

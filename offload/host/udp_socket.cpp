@@ -1,17 +1,18 @@
-#include "io/udp_socket.hpp"
+#include "host/udp_socket.hpp"
 
 #include <arpa/inet.h>
 #include <netinet/udp.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
-namespace stellar::io {
+namespace stellar::host {
 
 namespace {
-constexpr int max_batch = 64;
+constexpr int max_batch = UdpSocket::max_batch;
 constexpr int socket_buffer_bytes = 16 << 20;
 constexpr size_t control_bytes = CMSG_SPACE(sizeof(uint16_t)) + CMSG_SPACE(sizeof(int)) + CMSG_SPACE(sizeof(timespec));
 constexpr uint32_t gso_max_bytes = 65000;  // UDP payload of one GSO message
@@ -25,15 +26,14 @@ constexpr size_t max_message_iovecs = 1024;  // UIO_MAXIOV
 #define UDP_GRO 104
 #endif
 
-Status system_error(const char* what) { return Status(Errc::io_error, std::string(what) + ": " + std::strerror(errno)); }
+SocketError system_error(const std::string& what) { return SocketError{false, what + ": " + std::strerror(errno)}; }
 }  // namespace
 
-Result<sockaddr_in> parse_ipv4(const std::string& address, uint16_t port) {
+std::optional<sockaddr_in> parse_ipv4(const std::string& address, uint16_t port) {
   sockaddr_in a{};
   a.sin_family = AF_INET;
   a.sin_port = htons(port);
-  if (inet_pton(AF_INET, address.c_str(), &a.sin_addr) != 1)
-    return Status(Errc::invalid_argument, "not an IPv4 address: '" + address + "'");
+  if (inet_pton(AF_INET, address.c_str(), &a.sin_addr) != 1) return std::nullopt;
   return a;
 }
 
@@ -43,13 +43,22 @@ std::string format_ipv4(const sockaddr_in& a) {
   return text;
 }
 
-UdpSocket::~UdpSocket() {
+UdpSocket::~UdpSocket() { close(); }
+
+void UdpSocket::close() {
   if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+  local_ = sockaddr_in{};
+  gso_ = gso_supported_ = gro_ = gro_supported_ = false;
+  prepared_ = nullptr;
+  prepared_count_ = 0;
+  sparse_ = false;
+  quiet_receives_ = 0;
 }
 
-Status UdpSocket::open(const std::string& address, uint16_t port) {
+std::optional<SocketError> UdpSocket::open(const std::string& address, uint16_t port) {
   auto bind_to = parse_ipv4(address, port);
-  if (!bind_to) return bind_to.status();
+  if (!bind_to) return SocketError{true, "not an IPv4 address: '" + address + "'"};
   fd_ = ::socket(AF_INET, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
   if (fd_ < 0) return system_error("socket");
   // Root may exceed rmem_max/wmem_max (FORCE); others get what the limits allow.
@@ -64,7 +73,7 @@ Status UdpSocket::open(const std::string& address, uint16_t port) {
   const int pmtu = IP_PMTUDISC_PROBE;
   setsockopt(fd_, IPPROTO_IP, IP_MTU_DISCOVER, &pmtu, sizeof pmtu);
   if (::bind(fd_, reinterpret_cast<const sockaddr*>(&bind_to.value()), sizeof(sockaddr_in)) != 0)
-    return system_error(("bind " + address + ":" + std::to_string(port)).c_str());
+    return system_error("bind " + address + ":" + std::to_string(port));
   socklen_t length = sizeof local_;
   getsockname(fd_, reinterpret_cast<sockaddr*>(&local_), &length);
   const int on = 1;
@@ -235,4 +244,4 @@ int UdpSocket::send_batch(Datagram* batch, int count, int& error) {
   return done;
 }
 
-}  // namespace stellar::io
+}  // namespace stellar::host
