@@ -17,6 +17,7 @@
 #include <span>
 #include <string>
 
+#include "stellar/completion_status.hpp"
 #include "stellar/status.hpp"
 
 namespace stellar {
@@ -111,22 +112,8 @@ struct RecvWr {
   std::span<const Sge> sg_list;
 };
 
-// Mirrors ibv_wc_status.
-enum class WcStatus {
-  success,
-  local_length_error,
-  local_qp_operation_error,
-  local_protection_error,
-  work_request_flushed,
-  bad_response,
-  remote_invalid_request,
-  remote_access_error,
-  remote_operation_error,
-  retry_exceeded,
-  rnr_retry_exceeded,
-};
+// WcStatus (mirrors ibv_wc_status) and its to_string: completion_status.hpp.
 enum class WcOpcode { send, rdma_write, rdma_read, compare_swap, fetch_add, recv, recv_rdma_with_imm };
-const char* to_string(WcStatus);
 const char* to_string(WcOpcode);
 
 struct WorkCompletion {

@@ -177,23 +177,6 @@ size_t flatten(const TxBuffer& b, uint8_t* out, size_t capacity) {
   return b.length;
 }
 
-const char* to_string(CompletionStatus s) {
-  switch (s) {
-    case CompletionStatus::success: return "success";
-    case CompletionStatus::local_length_error: return "local length error";
-    case CompletionStatus::local_qp_operation_error: return "local QP operation error";
-    case CompletionStatus::local_protection_error: return "local protection error";
-    case CompletionStatus::work_request_flushed: return "work request flushed";
-    case CompletionStatus::bad_response: return "bad response";
-    case CompletionStatus::remote_invalid_request: return "remote invalid request";
-    case CompletionStatus::remote_access_error: return "remote access error";
-    case CompletionStatus::remote_operation_error: return "remote operation error";
-    case CompletionStatus::retry_exceeded: return "transport retry counter exceeded";
-    case CompletionStatus::rnr_retry_exceeded: return "RNR retry counter exceeded";
-  }
-  return "?";
-}
-
 const char* to_string(CompletionOpcode o) {
   switch (o) {
     case CompletionOpcode::send: return "send";

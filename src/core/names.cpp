@@ -42,23 +42,6 @@ Result<Mode> parse_mode(const std::string& s) {
   return Status(Errc::invalid_argument, "unknown mode '" + s + "' (expected stellar or roce)");
 }
 
-const char* to_string(WcStatus s) {
-  switch (s) {
-    case WcStatus::success: return "success";
-    case WcStatus::local_length_error: return "local length error";
-    case WcStatus::local_qp_operation_error: return "local QP operation error";
-    case WcStatus::local_protection_error: return "local protection error";
-    case WcStatus::work_request_flushed: return "work request flushed";
-    case WcStatus::bad_response: return "bad response";
-    case WcStatus::remote_invalid_request: return "remote invalid request";
-    case WcStatus::remote_access_error: return "remote access error";
-    case WcStatus::remote_operation_error: return "remote operation error";
-    case WcStatus::retry_exceeded: return "transport retry counter exceeded";
-    case WcStatus::rnr_retry_exceeded: return "RNR retry counter exceeded";
-  }
-  return "?";
-}
-
 const char* to_string(WcOpcode o) {
   switch (o) {
     case WcOpcode::send: return "send";

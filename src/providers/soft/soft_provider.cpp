@@ -24,6 +24,7 @@
 #include <random>
 #include <thread>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "core/log.hpp"
@@ -61,10 +62,29 @@ uint64_t kernel_random() {
   return v;
 }
 
-// The public and engine enums are kept in the same order.
-static_assert(int(WcStatus::rnr_retry_exceeded) == int(off::CompletionStatus::rnr_retry_exceeded));
-static_assert(int(WcOpcode::recv_rdma_with_imm) == int(off::CompletionOpcode::receive_rdma_with_imm));
-static_assert(int(WrOpcode::atomic_cmp_swap) == int(off::WorkOpcode::atomic_compare_swap));
+// The public and engine opcodes are cast into each other: every entry must
+// match, not just the last (statuses are one enum, completion_status.hpp).
+constexpr bool same_opcodes() {
+  constexpr std::pair<WcOpcode, off::CompletionOpcode> completions[] = {
+      {WcOpcode::send, off::CompletionOpcode::send},           {WcOpcode::rdma_write, off::CompletionOpcode::rdma_write},
+      {WcOpcode::rdma_read, off::CompletionOpcode::rdma_read}, {WcOpcode::compare_swap, off::CompletionOpcode::compare_swap},
+      {WcOpcode::fetch_add, off::CompletionOpcode::fetch_add}, {WcOpcode::recv, off::CompletionOpcode::receive},
+      {WcOpcode::recv_rdma_with_imm, off::CompletionOpcode::receive_rdma_with_imm}};
+  constexpr std::pair<WrOpcode, off::WorkOpcode> works[] = {
+      {WrOpcode::send, off::WorkOpcode::send},
+      {WrOpcode::send_with_imm, off::WorkOpcode::send_with_imm},
+      {WrOpcode::rdma_write, off::WorkOpcode::rdma_write},
+      {WrOpcode::rdma_write_with_imm, off::WorkOpcode::rdma_write_with_imm},
+      {WrOpcode::rdma_read, off::WorkOpcode::rdma_read},
+      {WrOpcode::atomic_fetch_add, off::WorkOpcode::atomic_fetch_add},
+      {WrOpcode::atomic_cmp_swap, off::WorkOpcode::atomic_compare_swap}};
+  for (auto [a, b] : completions)
+    if (int(a) != int(b)) return false;
+  for (auto [a, b] : works)
+    if (int(a) != int(b)) return false;
+  return true;
+}
+static_assert(same_opcodes(), "WcOpcode/WrOpcode and the engine's opcodes must list the same entries in the same order");
 
 class SoftContext;
 class SoftPd;
@@ -168,7 +188,7 @@ class SoftCq final : public CompletionQueue {
     }
     WorkCompletion& w = ring_[(head_ + count_) % ring_.size()];
     w.wr_id = c.wr_id;
-    w.status = WcStatus(int(c.status));
+    w.status = c.status;  // one enum (completion_status.hpp)
     w.opcode = WcOpcode(int(c.opcode));
     w.byte_len = c.byte_length;
     w.imm_data = c.imm;

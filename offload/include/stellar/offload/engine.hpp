@@ -18,6 +18,7 @@
 #include <memory>
 #include <vector>
 
+#include "stellar/completion_status.hpp"
 #include "stellar/offload/cc.hpp"
 #include "stellar/offload/wire.hpp"
 
@@ -36,21 +37,10 @@ enum class WorkOpcode : uint8_t {
   atomic_compare_swap,
 };
 
-// Mirrors ibv_wc_status for the statuses a software RC transport can produce.
-enum class CompletionStatus : uint8_t {
-  success,
-  local_length_error,
-  local_qp_operation_error,
-  local_protection_error,
-  work_request_flushed,
-  bad_response,
-  remote_invalid_request,
-  remote_access_error,
-  remote_operation_error,
-  retry_exceeded,
-  rnr_retry_exceeded,
-};
-const char* to_string(CompletionStatus);
+// The public API's completion status, the one definition
+// (stellar/completion_status.hpp, with its to_string): what the engine
+// completes with reaches the user unchanged.
+using CompletionStatus = stellar::WcStatus;
 
 enum class CompletionOpcode : uint8_t {
   send,
