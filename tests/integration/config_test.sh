@@ -1,8 +1,9 @@
 #!/bin/bash
 # One configuration place (docs/configuration.md): the table `stellar config`
-# prints and the documentation's table name the same variables; no source
-# outside src/core/config.cpp reads the environment; a malformed value fails
-# with a message that names the variable.
+# prints and the documentation's table name the same variables; every tuning
+# constant the documentation lists is in the file it names; no source outside
+# src/core/config.cpp reads the environment; a malformed value fails with a
+# message that names the variable.
 set -euo pipefail
 cli="$1"; pingpong="$2"; root="$3"
 doc="$root/docs/configuration.md"
@@ -11,6 +12,19 @@ documented=$(grep -oE '^\| `[A-Z_]+`' "$doc" | tr -d '|` ')
 for name in $known; do echo "$documented" | grep -qx "$name" || { echo "docs/configuration.md does not list $name"; exit 1; }; done
 for name in $documented; do echo "$known" | grep -qx "$name" || { echo "docs/configuration.md lists $name, which the code does not read"; exit 1; }; done
 echo "$(echo "$known" | wc -l) variables, documented alike"
+
+# Every tuning constant the documentation lists is where it says.
+constants=0
+while IFS='|' read -r _ names _ _ _ file _; do
+  file=$(echo "$file" | tr -d '` ')
+  [[ $file == */* && -f "$root/$file" ]] || { echo "docs/configuration.md names a missing file: '$file'"; exit 1; }
+  for name in $(echo "$names" | tr -d '` ' | tr ',' ' '); do
+    grep -q "\b${name##*::}\b" "$root/$file" || { echo "docs/configuration.md: ${name} is not in $file"; exit 1; }
+    constants=$((constants + 1))
+  done
+done < <(sed -n '/^## Tuning constants/,$p' "$doc" | grep -E '^\| `[a-zA-Z_:]+`')
+[[ $constants -ge 20 ]] || { echo "only $constants constants found in docs/configuration.md"; exit 1; }
+echo "$constants tuning constants, each in the file the documentation names"
 
 stray=$(grep -rn 'getenv *(' "$root/src" "$root/offload" --include='*.cpp' --include='*.hpp' | grep -v '^[^:]*src/core/config\.cpp:' || true)
 [[ -z $stray ]] || { echo "the environment is read outside src/core/config.cpp:"; echo "$stray"; exit 1; }
