@@ -1,5 +1,7 @@
 #include "core/config.hpp"
 
+#include <cctype>
+#include <charconv>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -45,6 +47,23 @@ Status malformed(const char* name, const std::string& value, const std::string& 
   return Status(Errc::invalid_argument, std::string(name) + "='" + value + "' is not " + wanted);
 }
 
+// Digits only, decimal or 0x hexadecimal (never octal: a leading 0 is
+// decimal), after an optional '-' where `negative_ok`. No whitespace: strto*
+// would skip it in front and refuse it behind.
+bool integer_text(const std::string& v, bool negative_ok, int& base) {
+  size_t i = 0;
+  if (negative_ok && !v.empty() && v[0] == '-') i = 1;
+  base = 10;
+  if (v.size() > i + 2 && v[i] == '0' && (v[i + 1] == 'x' || v[i + 1] == 'X')) {
+    base = 16;
+    i += 2;
+  }
+  if (i >= v.size()) return false;
+  for (; i < v.size(); ++i)
+    if (!(base == 16 ? std::isxdigit(static_cast<unsigned char>(v[i])) : std::isdigit(static_cast<unsigned char>(v[i])))) return false;
+  return true;
+}
+
 }  // namespace
 
 std::span<const Variable> variables() { return table; }
@@ -59,22 +78,25 @@ std::optional<std::string> text(const char* name) {
 Result<std::optional<double>> probability(const char* name) {
   auto value = text(name);
   if (!value) return std::optional<double>();
-  char* end = nullptr;
-  const double v = std::strtod(value->c_str(), &end);
-  if (end == value->c_str() || *end != '\0' || !(v >= 0.0 && v <= 1.0)) return malformed(name, *value, "a probability in [0, 1]");
+  // from_chars: "0.01" whatever locale the application set (strtod would
+  // want "0,01" under a comma-decimal one).
+  double v = -1;
+  const char* end = value->data() + value->size();
+  const auto [stop, error] = std::from_chars(value->data(), end, v);
+  if (error != std::errc() || stop != end || !(v >= 0.0 && v <= 1.0)) return malformed(name, *value, "a probability in [0, 1]");
   return std::optional<double>(v);
 }
 
 Result<std::optional<int64_t>> integer(const char* name, int64_t min, int64_t max) {
   auto value = text(name);
   if (!value) return std::optional<int64_t>();
-  char* end = nullptr;
-  errno = 0;
   // Decimal, or hexadecimal with 0x (traffic classes are often written so);
   // never octal: a rank of "010" is 10.
-  const bool hex = value->size() > 2 && (*value)[0] == '0' && ((*value)[1] == 'x' || (*value)[1] == 'X');
-  const long long v = std::strtoll(value->c_str(), &end, hex ? 16 : 10);
-  if (end == value->c_str() || *end != '\0' || errno == ERANGE || v < min || v > max)
+  int base = 10;
+  const bool digits = integer_text(*value, min < 0, base);
+  errno = 0;
+  const long long v = digits ? std::strtoll(value->c_str(), nullptr, base) : 0;
+  if (!digits || errno == ERANGE || v < min || v > max)
     return malformed(name, *value, "an integer in [" + std::to_string(min) + ", " + std::to_string(max) + "]");
   return std::optional<int64_t>(v);
 }
@@ -82,11 +104,11 @@ Result<std::optional<int64_t>> integer(const char* name, int64_t min, int64_t ma
 Result<std::optional<uint64_t>> unsigned64(const char* name) {
   auto value = text(name);
   if (!value) return std::optional<uint64_t>();
-  char* end = nullptr;
+  int base = 10;
+  const bool digits = integer_text(*value, false, base);
   errno = 0;
-  const unsigned long long v = std::strtoull(value->c_str(), &end, 0);
-  if (end == value->c_str() || *end != '\0' || errno == ERANGE || value->front() == '-')
-    return malformed(name, *value, "an unsigned 64-bit integer");
+  const unsigned long long v = digits ? std::strtoull(value->c_str(), nullptr, base) : 0;
+  if (!digits || errno == ERANGE) return malformed(name, *value, "an unsigned 64-bit integer (decimal or 0x hexadecimal)");
   return std::optional<uint64_t>(v);
 }
 

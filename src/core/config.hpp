@@ -41,7 +41,7 @@ Result<std::optional<double>> probability(const char* name);
 // A decimal (or 0x hexadecimal, never octal) integer in [min, max];
 // nullopt when unset.
 Result<std::optional<int64_t>> integer(const char* name, int64_t min, int64_t max);
-// An unsigned 64-bit value (seeds; decimal, 0x hexadecimal or 0 octal); nullopt when unset.
+// An unsigned 64-bit value (seeds; decimal or 0x hexadecimal); nullopt when unset.
 Result<std::optional<uint64_t>> unsigned64(const char* name);
 
 }  // namespace stellar::config

@@ -30,12 +30,18 @@ stray=$(grep -rn 'getenv *(' "$root/src" "$root/offload" --include='*.cpp' --inc
 [[ -z $stray ]] || { echo "the environment is read outside src/core/config.cpp:"; echo "$stray"; exit 1; }
 
 STELLAR_FAULT_DROP=1.5 "$cli" config | grep -A1 '^STELLAR_FAULT_DROP' | grep -q '1.5' || { echo "stellar config does not show the value in effect"; exit 1; }
-for bad in STELLAR_FAULT_DROP=1.5 STELLAR_FAULT_SEED=seven STELLAR_FAULT_DUP=-0.1; do
+for bad in STELLAR_FAULT_DROP=1.5 STELLAR_FAULT_SEED=seven STELLAR_FAULT_DUP=-0.1 'STELLAR_FAULT_SEED= -1' 'STELLAR_FAULT_SEED=5 ' \
+           STELLAR_FAULT_REORDER=0,5 STELLAR_FAULT_SEED=0x; do
   name=${bad%%=*}
   if out=$(env "$bad" timeout 20 "$pingpong" -p 1 --wait_client 1 2>&1); then echo "$bad: the server started"; exit 1; fi
   echo "$out" | grep -q "$name" || { echo "$bad: the error does not name the variable: $out"; exit 1; }
   echo "$bad refused: $(echo "$out" | grep -o "$name.*" | head -1)"
 done
+for good in STELLAR_FAULT_SEED=0x10 STELLAR_FAULT_SEED=010 STELLAR_FAULT_DROP=0.5; do
+  out=$(env "$good" timeout 20 "$pingpong" -p 1 --wait_client 1 2>&1 || true)
+  echo "$out" | grep -q "no client connected" || { echo "$good: expected the server to start and wait: $out"; exit 1; }
+done
+echo "well-formed values accepted"
 out=$(STELLAR_LOG_LEVEL=chatty timeout 20 "$pingpong" -p 1 --wait_client 1 2>&1 || true)
 echo "$out" | grep -q "STELLAR_LOG_LEVEL='chatty' is not a level" || { echo "an unknown log level went unmentioned: $out"; exit 1; }
 echo "unknown log level reported"
