@@ -10,7 +10,11 @@ packages=(
   sockperf ucx-utils libgloo-dev openmpi-bin libopenmpi-dev python3
   iproute2 nftables ethtool iperf3 gnuplot-nox
   clang libclang-rt-14-dev
+  # aarch64 (SmartNIC / DPU cores): cross compilers, the engine's libraries
+  # for arm64 (multiarch), and qemu-user to run its unit tests here.
+  crossbuild-essential-arm64 qemu-user zlib1g-dev:arm64 libgtest-dev:arm64
 )
+dpkg --print-foreign-architectures | grep -qx arm64 || dpkg --add-architecture arm64
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

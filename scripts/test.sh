@@ -15,6 +15,10 @@ for variant in release asan; do
   echo "=== $variant tests ==="
   (cd "$dir" && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ctest --output-on-failure -j1 --timeout 600)
 done
+echo "=== aarch64 (SmartNIC cores): offload/ cross-built, the engine's unit tests under qemu-user ==="
+cmake -S . -B build-test-aarch64 -G Ninja -DCMAKE_TOOLCHAIN_FILE=cmake/aarch64-linux-gnu.cmake -DSTELLAR_OFFLOAD_ONLY=ON > /dev/null
+ninja -C build-test-aarch64 -j"$jobs"
+(cd build-test-aarch64 && ctest --output-on-failure -j1 --timeout 600)
 echo "=== libFuzzer: 45 s on the packet decoders and the engine's receive path ==="
 mkdir -p build-fuzz
 # Every engine source (the glob keeps up with the engine's units).
