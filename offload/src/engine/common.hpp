@@ -107,8 +107,27 @@ struct Context {
   PsnSpace psn;
   uint32_t window_mask = 0;
   bool error = false;
+  const bool direct;  // memory.direct(): registered memory is addressable here
 
   Context(const EngineConfig& c, MemoryAccess& m, CompletionSink& s, ErrorHandler& e);
+
+  // Copies out of / into registered memory (a resolve() result or a keyed
+  // segment's address): memcpy in the application's process, the
+  // MemoryAccess's own copy in the daemon. False: out of reach.
+  bool copy_out(void* to, const uint8_t* address, size_t n) {
+    if (direct) {
+      std::memcpy(to, address, n);
+      return true;
+    }
+    return memory.read(to, address, n);
+  }
+  bool copy_in(uint8_t* address, const void* from, size_t n) {
+    if (direct) {
+      std::memcpy(address, from, n);
+      return true;
+    }
+    return memory.write(address, from, n);
+  }
 
   uint32_t add(uint32_t p, uint32_t n) const { return psn.add(p, n); }
   int32_t diff(uint32_t a, uint32_t b) const { return psn.diff(a, b); }
@@ -133,7 +152,7 @@ struct Context {
 };
 
 inline Context::Context(const EngineConfig& c, MemoryAccess& m, CompletionSink& s, ErrorHandler& e)
-    : config(c), memory(m), sink(s), errors(e) {
+    : config(c), memory(m), sink(s), errors(e), direct(m.direct()) {
   psn.mask = config.mode == Mode::roce ? 0xffffff : 0xffffffff;
   uint32_t window = 128;  // at least the 64 PSNs kept free below plus room to send
   while (window < config.window_packets && window < (1u << 22)) window <<= 1;
@@ -150,33 +169,40 @@ inline Context::Context(const EngineConfig& c, MemoryAccess& m, CompletionSink& 
 
 // ---- scatter/gather ----
 
-// Copies between a scatter/gather list and a contiguous buffer.
-inline void gather(const Segment* segments, uint32_t count, uint64_t offset, uint8_t* out, uint32_t length) {
+// Copies between a scatter/gather list and a contiguous buffer. Keyed
+// segments are registered memory (Context::copy_out/copy_in); unkeyed ones
+// (lkey 0: an inline payload the engine holds) are its own. False if
+// registered memory was out of reach (the daemon's client is gone).
+inline bool gather(Context& ctx, const Segment* segments, uint32_t count, uint64_t offset, uint8_t* out, uint32_t length) {
   for (uint32_t i = 0; i < count && length > 0; ++i) {
     if (offset >= segments[i].length) {
       offset -= segments[i].length;
       continue;
     }
     const uint32_t n = uint32_t(std::min<uint64_t>(segments[i].length - offset, length));
-    std::memcpy(out, segments[i].address + offset, n);
+    if (segments[i].lkey == 0) std::memcpy(out, segments[i].address + offset, n);
+    else if (!ctx.copy_out(out, segments[i].address + offset, n)) return false;
     out += n;
     length -= n;
     offset = 0;
   }
+  return true;
 }
 
-inline void scatter(const Segment* segments, uint32_t count, uint64_t offset, const uint8_t* in, uint32_t length) {
+inline bool scatter(Context& ctx, const Segment* segments, uint32_t count, uint64_t offset, const uint8_t* in, uint32_t length) {
   for (uint32_t i = 0; i < count && length > 0; ++i) {
     if (offset >= segments[i].length) {
       offset -= segments[i].length;
       continue;
     }
     const uint32_t n = uint32_t(std::min<uint64_t>(segments[i].length - offset, length));
-    std::memcpy(segments[i].address + offset, in, n);
+    if (segments[i].lkey == 0) std::memcpy(segments[i].address + offset, in, n);
+    else if (!ctx.copy_in(segments[i].address + offset, in, n)) return false;
     in += n;
     length -= n;
     offset = 0;
   }
+  return true;
 }
 
 // The pieces of a scatter/gather list covering [offset, offset + length).

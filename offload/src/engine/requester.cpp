@@ -85,7 +85,7 @@ PostResult Requester::post_send(const SendWork& work) {
   w.generation = ctx_.memory.generation();
   w.receive_sequence = consumes_receive(work.opcode) ? next_receive_sequence_++ : 0;
   if (work.inline_data) {
-    gather(work.segments, work.segment_count, 0, w.inline_data, w.length);
+    gather(ctx_, work.segments, work.segment_count, 0, w.inline_data, w.length);  // unkeyed: the caller's bytes
     w.work.segment_count = 1;
     w.work.segments[0] = Segment{w.inline_data, w.length, 0};
   }
@@ -403,14 +403,20 @@ void Requester::on_response(const Header& h, uint64_t now, uint64_t host_delay) 
       fail_at(h.psn, CompletionStatus::local_protection_error);
       return;
     }
-    scatter(w.work.segments, w.work.segment_count, offset, h.payload, h.payload_length);
+    if (!scatter(ctx_, w.work.segments, w.work.segment_count, offset, h.payload, h.payload_length)) {
+      fail_at(h.psn, CompletionStatus::local_protection_error);
+      return;
+    }
   } else {
     if (!local_ok(w, 0, 8, access_local_write)) {
       fail_at(h.psn, CompletionStatus::local_protection_error);
       return;
     }
-    uint64_t original = h.atomic_original;
-    std::memcpy(w.work.segments[0].address, &original, 8);
+    const uint64_t original = h.atomic_original;
+    if (!ctx_.copy_in(w.work.segments[0].address, &original, 8)) {
+      fail_at(h.psn, CompletionStatus::local_protection_error);
+      return;
+    }
   }
   mark_done(h.psn, now, rtt, bytes);
   after_acknowledgement(now, rtt, bytes);
@@ -498,10 +504,11 @@ uint32_t Requester::build_request(PacketWriter& writer, uint32_t psn, uint32_t w
     return 0;
   }
   b.piece_count = 0;
-  if (payload >= zero_copy_bytes) {
+  if (payload >= zero_copy_bytes && ctx_.direct) {
     b.piece_count = slice(w.work.segments, w.work.segment_count, offset, payload, b.pieces);
-  } else if (payload) {
-    gather(w.work.segments, w.work.segment_count, offset, b.data + at, payload);
+  } else if (payload && !gather(ctx_, w.work.segments, w.work.segment_count, offset, b.data + at, payload)) {
+    local_fault_ = true;  // the memory is out of reach: as a failed local check
+    return 0;
   }
   return writer.finish(h, b);
 }

@@ -257,13 +257,30 @@ Responder::Outcome Responder::apply_request(const Header& h, uint64_t now, uint3
       nak(h.psn, syndrome::nak_remote_access);
       return Outcome::nak;
     }
-    auto* word = reinterpret_cast<uint64_t*>(target);
     uint64_t original;
-    if (op == opcode::fetch_add) {
-      original = __atomic_fetch_add(word, h.swap_add, __ATOMIC_SEQ_CST);
+    if (ctx_.direct) {
+      auto* word = reinterpret_cast<uint64_t*>(target);
+      if (op == opcode::fetch_add) {
+        original = __atomic_fetch_add(word, h.swap_add, __ATOMIC_SEQ_CST);
+      } else {
+        original = h.compare;
+        __atomic_compare_exchange_n(word, &original, h.swap_add, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+      }
     } else {
-      original = h.compare;
-      __atomic_compare_exchange_n(word, &original, h.swap_add, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+      // The daemon: read, modify, write. Atomic with respect to every other
+      // RDMA atomic on this memory (one engine host serialises them), as a
+      // NIC's atomics are; not with respect to the CPU's own, as a NIC's
+      // are not either (verbs' IBV_ATOMIC_HCA).
+      uint64_t value = 0;
+      bool ok = ctx_.copy_out(&value, target, 8);
+      original = value;
+      if (op == opcode::fetch_add) value += h.swap_add;
+      else if (value == h.compare) value = h.swap_add;
+      if (!ok || (value != original && !ctx_.copy_in(target, &value, 8))) {
+        ++ctx_.counters.access_errors;
+        nak(h.psn, syndrome::nak_remote_access);
+        return Outcome::nak;
+      }
     }
     atomic_replay_[atomic_replay_next_] = AtomicReplay{h.psn, original, true};
     atomic_replay_next_ = (atomic_replay_next_ + 1) % atomic_replay_capacity;
@@ -318,7 +335,13 @@ Responder::Outcome Responder::apply_send(const Header& h) {
     }
     r->generation = ctx_.memory.generation();
   }
-  scatter(r->work.segments, r->work.segment_count, offset, h.payload, h.payload_length);
+  if (!scatter(ctx_, r->work.segments, r->work.segment_count, offset, h.payload, h.payload_length)) {
+    // The receive buffer is out of reach (the daemon's client unmapped it): as deregistered.
+    r->status = CompletionStatus::local_protection_error;
+    nak(h.psn, syndrome::nak_remote_operation);
+    ctx_.enter_error();
+    return Outcome::nak;
+  }
   if (ctx_.config.mode == Mode::roce) {
     roce_in_send_ = !opcode_is_last(op);
     roce_send_offset_ = offset + h.payload_length;
@@ -400,7 +423,11 @@ Responder::Outcome Responder::apply_write(const Header& h) {
     r = receive_for(sequence);
     if (!r) return int32_t(sequence - rq_head_sequence_) < 0 ? Outcome::dropped : Outcome::rnr;
   }
-  if (h.payload_length) std::memcpy(base + offset, h.payload, h.payload_length);
+  if (h.payload_length && !ctx_.copy_in(base + offset, h.payload, h.payload_length)) {
+    ++ctx_.counters.access_errors;
+    nak(h.psn, syndrome::nak_remote_access);
+    return Outcome::nak;
+  }
   if (ctx_.config.mode == Mode::roce) {
     roce_write_offset_ = uint32_t(offset + h.payload_length);
     roce_in_write_ = !opcode_is_last(op);
@@ -573,7 +600,13 @@ size_t Responder::transmit_responses(PacketWriter& writer, TxBuffer* buffers, si
       }
       // Copied, not referenced: the responder's application may write this
       // memory at any time, and the checksum must match what goes out.
-      std::memcpy(buffers[n].data + at, source, length);
+      if (!ctx_.copy_out(buffers[n].data + at, source, length)) {
+        ++ctx_.counters.access_errors;
+        nak(h.psn, syndrome::nak_remote_access);
+        reads_head_ = (reads_head_ + 1) % reads_.size();
+        --reads_count_;
+        continue;
+      }
       buffers[n].piece_count = 0;
     } else {
       buffers[n].piece_count = 0;

@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <vector>
 
@@ -118,6 +119,25 @@ class MemoryAccess {
   virtual uint64_t generation() const { return 0; }
   virtual bool local_valid(uint32_t lkey, const uint8_t* address, uint64_t length, uint32_t access) {
     (void)lkey, (void)address, (void)length, (void)access;
+    return true;
+  }
+
+  // Whether registered memory is addressable here. true (the default): the
+  // addresses resolve() returns and keyed segments carry may be dereferenced;
+  // the engine copies with memcpy and sends large payloads zero-copy from
+  // them. false (the engine daemon, offload/daemon): they are addresses in
+  // the application's address space, and the engine copies only through
+  // read() and write(). Asked once, at engine construction.
+  virtual bool direct() const { return true; }
+  // Copies out of / into registered memory at `address` (from resolve() or a
+  // keyed segment). False if it is out of reach (the process is gone, or
+  // unmapped it); the engine then treats it as an access error.
+  virtual bool read(void* to, const uint8_t* address, size_t length) {
+    std::memcpy(to, address, length);
+    return true;
+  }
+  virtual bool write(uint8_t* address, const void* from, size_t length) {
+    std::memcpy(address, from, length);
     return true;
   }
 };
