@@ -24,10 +24,15 @@ namespace stellar {
 
 enum class Provider { soft, verbs };
 enum class Mode { stellar, roce };  // soft provider wire protocol (docs/design.md, principle 3)
+// Where the engines (transport, congestion control, timers) run
+// (docs/engine-daemon.md). STELLAR_ENGINE=inline|thread|daemon overrides it.
 enum class ProgressMode {
   inline_poll,  // the caller's poll/wait drives the transport (lowest latency, no extra thread)
   thread,       // a dedicated engine thread drives it
+  daemon,       // stellar-engined drives it, outside the application (the SmartNIC placement): the
+                // application only posts work and takes completions, through shared-memory rings
 };
+const char* to_string(ProgressMode);
 enum class WaitPolicy {
   busy_poll,  // spin: lowest latency, one core per context
   adaptive,   // spin for spin_time, then sleep in the kernel until a packet or timer
@@ -61,6 +66,9 @@ struct ContextOptions {
   uint16_t udp_port = 0;                   // 0: any free port (roce mode tries 4791 first)
   uint32_t mtu = 4096;                     // payload bytes per packet
   ProgressMode progress = ProgressMode::inline_poll;
+  // ProgressMode::daemon: the daemon's Unix socket. "" = $STELLAR_ENGINED_SOCKET,
+  // else /run/stellar/engined.sock.
+  std::string engined_socket;
   WaitPolicy wait = WaitPolicy::busy_poll;
   std::chrono::nanoseconds spin_time{50'000};  // adaptive: spin this long before sleeping
   CongestionControl congestion_control = CongestionControl::automatic;
@@ -266,6 +274,12 @@ struct ContextCounters {
   uint64_t send_errors = 0;               // datagrams the kernel refused (e.g. ENOBUFS): lost, retransmitted
   uint64_t rx_receive_calls = 0;          // recvmmsg calls that returned data
   uint64_t rx_coalesced = 0;              // datagrams that arrived coalesced by UDP GRO
+  // CPU time (user + system, ns) spent where the engines run outside the
+  // calling threads: ProgressMode::thread, this context's engine thread;
+  // ProgressMode::daemon, the whole stellar-engined process (every context it
+  // serves). 0 inline: the engines run on the application's own threads.
+  uint64_t engine_cpu_ns = 0;
+  uint64_t daemon_refused_entries = 0;    // daemon: ring entries of this context it refused (malformed)
 };
 
 class Context : public std::enable_shared_from_this<Context> {

@@ -2,6 +2,7 @@
 
 #include <arpa/inet.h>
 #include <poll.h>
+#include <pthread.h>
 #include <sys/eventfd.h>
 #include <time.h>
 #include <unistd.h>
@@ -33,7 +34,7 @@ void accumulate(off::EngineCounters& sum, const off::EngineCounters& e) {
   sum.requests_dropped_full += e.requests_dropped_full, sum.completions += e.completions;
 }
 
-struct EngineHost::Engine {
+struct EngineHost::Engine final : Host::Engine {
   Engine(const off::EngineConfig& config, off::MemoryAccess& memory, off::CompletionSink& sink) : engine(config, memory, sink) {}
   off::QpEngine engine;
   sockaddr_in peer{};
@@ -94,8 +95,8 @@ void EngineHost::stop() {
   }
 }
 
-EngineHost::Engine* EngineHost::attach_locked(const off::EngineConfig& config, const sockaddr_in& peer, off::MemoryAccess& memory,
-                                              off::CompletionSink& sink) {
+Host::Engine* EngineHost::attach_locked(const off::EngineConfig& config, const sockaddr_in& peer, const QpBinding&,
+                                        off::MemoryAccess& memory, off::CompletionSink& sink, std::string&) {
   const sockaddr_in& local = socket_.local();
   off::EngineConfig c = config;
   c.tx_addresses = off::IcrcAddresses{local.sin_addr.s_addr, peer.sin_addr.s_addr, ntohs(local.sin_port), ntohs(peer.sin_port)};
@@ -108,7 +109,13 @@ EngineHost::Engine* EngineHost::attach_locked(const off::EngineConfig& config, c
   return handle;
 }
 
-void EngineHost::detach_locked(Engine* e) {
+namespace {
+EngineHost::Engine* own(Host::Engine* e) { return static_cast<EngineHost::Engine*>(e); }
+const EngineHost::Engine* own(const Host::Engine* e) { return static_cast<const EngineHost::Engine*>(e); }
+}  // namespace
+
+void EngineHost::detach_locked(Host::Engine* handle) {
+  Engine* e = own(handle);
   // Acknowledge what was delivered here before the QP goes: the peer's last
   // SEND (a "bye") must complete there, not retry into a closed QP.
   const size_t n = e->engine.transmit_final_acknowledgement(tx_, 1, monotonic_ns());
@@ -117,19 +124,19 @@ void EngineHost::detach_locked(Engine* e) {
   engines_.erase(e->key);
 }
 
-off::PostResult EngineHost::post_send_locked(Engine* e, const off::SendWork& w, uint64_t now_ns) {
-  return e->engine.post_send(w, now_ns);
+off::PostResult EngineHost::post_send_locked(Host::Engine* e, const off::SendWork& w, uint64_t now_ns) {
+  return own(e)->engine.post_send(w, now_ns);
 }
-off::PostResult EngineHost::post_receive_locked(Engine* e, const off::ReceiveWork& r) { return e->engine.post_receive(r); }
-bool EngineHost::set_ready_locked(Engine* e, uint64_t wr_id, uint32_t bytes) { return e->engine.set_ready(wr_id, bytes); }
-void EngineHost::enter_error_locked(Engine* e) { e->engine.enter_error(); }
-bool EngineHost::in_error_locked(const Engine* e) const { return e->engine.in_error(); }
-uint32_t EngineHost::outstanding_sends_locked(const Engine* e) const { return e->engine.outstanding_sends(); }
-uint32_t EngineHost::outstanding_receives_locked(const Engine* e) const { return e->engine.outstanding_receives(); }
+off::PostResult EngineHost::post_receive_locked(Host::Engine* e, const off::ReceiveWork& r) { return own(e)->engine.post_receive(r); }
+bool EngineHost::set_ready_locked(Host::Engine* e, uint64_t wr_id, uint32_t bytes) { return own(e)->engine.set_ready(wr_id, bytes); }
+void EngineHost::enter_error_locked(Host::Engine* e) { own(e)->engine.enter_error(); }
+bool EngineHost::in_error_locked(const Host::Engine* e) const { return own(e)->engine.in_error(); }
+uint32_t EngineHost::outstanding_sends_locked(const Host::Engine* e) const { return own(e)->engine.outstanding_sends(); }
+uint32_t EngineHost::outstanding_receives_locked(const Host::Engine* e) const { return own(e)->engine.outstanding_receives(); }
 
-void EngineHost::posted_locked(Engine* e, uint64_t now_ns) {
+void EngineHost::posted_locked(Host::Engine* e, uint64_t now_ns) {
   if (options_.engine_thread) kick();
-  else flush_engine(*e, now_ns);
+  else flush_engine(*own(e), now_ns);
 }
 
 size_t EngineHost::flush_engine(Engine& e, uint64_t now_ns) {
@@ -251,6 +258,12 @@ HostCounters EngineHost::counters_locked() const {
   c.receive_calls = receive_calls_;
   c.coalesced = coalesced_;
   if (filter_) c.faults = filter_->counters();
+  // The engine thread's own CPU clock (it runs nothing else).
+  clockid_t clock;
+  timespec t;
+  if (thread_.joinable() && pthread_getcpuclockid(const_cast<std::thread&>(thread_).native_handle(), &clock) == 0 &&
+      clock_gettime(clock, &t) == 0)
+    c.engine_cpu_ns = uint64_t(t.tv_sec) * 1'000'000'000ull + uint64_t(t.tv_nsec);
   return c;
 }
 

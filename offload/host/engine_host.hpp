@@ -35,103 +35,58 @@
 #include <vector>
 
 #include "host/fault_filter.hpp"
+#include "host/host.hpp"
 #include "host/udp_socket.hpp"
 #include "stellar/offload/engine.hpp"
 
 namespace stellar::host {
 
-// CLOCK_MONOTONIC in nanoseconds: the clock engines run on.
-uint64_t monotonic_ns();
-
-struct HostOptions {
-  std::string bind_address = "127.0.0.1";
-  uint16_t udp_port = 0;  // 0: any free port (roce mode tries 4791 first)
-  offload::Mode mode = offload::Mode::stellar;
-  uint32_t mtu = 4096;    // payload bytes per packet (sizes the batches)
-  FaultOptions faults;
-  bool engine_thread = false;  // progress on a thread of the host's (else the caller's)
-  bool adaptive_wait = false;  // the thread sleeps after spinning `spin_ns` without work
-  uint64_t spin_ns = 0;
-};
-
-struct HostCounters {
-  offload::EngineCounters engines;  // attached engines and every detached one
-  uint64_t malformed = 0;           // too short for a destination
-  uint64_t unknown_qp = 0;          // no engine at (pkey, QPN), or not from its peer
-  uint64_t send_errors = 0, receive_calls = 0, coalesced = 0;
-  FaultCounters faults;
-};
-
-// What the host calls back on the application side, under the lock.
-class HostClient {
- public:
-  virtual ~HostClient() = default;
-  // At the start of every progress round: application-side work that feeds
-  // engines or drains completions (GPU staging, held completions).
-  virtual void on_progress_locked(uint64_t now_ns) = 0;
-  // When that work wants to run again without new input; UINT64_MAX: never.
-  virtual uint64_t next_wakeup_locked(uint64_t now_ns) = 0;
-};
-
 // Adds the counters of `e` to `sum`.
 void accumulate(offload::EngineCounters& sum, const offload::EngineCounters& e);
 
-class EngineHost {
+class EngineHost final : public Host {
  public:
-  struct Engine;  // one attached engine: an opaque handle
+  struct Engine;  // one attached engine
 
   EngineHost(std::mutex& lock, HostClient& client);
-  ~EngineHost();  // stops the engine thread
+  ~EngineHost() override;  // stops the engine thread
   EngineHost(const EngineHost&) = delete;
   EngineHost& operator=(const EngineHost&) = delete;
 
-  // Opens the socket and sizes the batches; nullopt on success.
-  std::optional<SocketError> open(const HostOptions&);
-  // Starts the engine thread when HostOptions::engine_thread asks for one.
-  void start();
-  // Stops and joins the engine thread (idempotent; without the lock).
-  void stop();
+  // Host's members, as documented there.
+  std::optional<SocketError> open(const HostOptions&) override;
+  void start() override;
+  void stop() override;
 
-  int fd() const { return socket_.fd(); }  // readable when datagrams wait
-  const sockaddr_in& local() const { return socket_.local(); }
-  bool gso() const { return socket_.gso(); }
-  bool gro() const { return socket_.gro(); }
+  int fd() const override { return socket_.fd(); }  // readable when datagrams wait
+  const sockaddr_in& local() const override { return socket_.local(); }
+  bool gso() const override { return socket_.gso(); }
+  bool gro() const override { return socket_.gro(); }
+  const char* placement() const override { return options_.engine_thread ? "engine-thread" : "inline"; }
   const HostOptions& options() const { return options_; }
 
   // ---- under the lock ----
-  // Creates the engine of QP `qpn` in partition `pkey`, talking to `peer`
-  // (the host fills the config's ICRC addresses); datagrams for (pkey, qpn)
-  // from `peer` go to it from now on. The references must outlive it.
-  Engine* attach_locked(const offload::EngineConfig&, const sockaddr_in& peer, offload::MemoryAccess&,
-                        offload::CompletionSink&);
-  // Sends its held-back acknowledgement, keeps its counters, destroys it.
-  void detach_locked(Engine*);
-  offload::PostResult post_send_locked(Engine*, const offload::SendWork&, uint64_t now_ns);
-  offload::PostResult post_receive_locked(Engine*, const offload::ReceiveWork&);
-  bool set_ready_locked(Engine*, uint64_t wr_id, uint32_t bytes);  // QpEngine::set_ready
-  void enter_error_locked(Engine*);
-  bool in_error_locked(const Engine*) const;
-  uint32_t outstanding_sends_locked(const Engine*) const;
-  uint32_t outstanding_receives_locked(const Engine*) const;
-  // Work was posted to `engine`: inline progress transmits it now, the
-  // engine thread is kicked.
-  void posted_locked(Engine*, uint64_t now_ns);
+  Host::Engine* attach_locked(const offload::EngineConfig&, const sockaddr_in& peer, const QpBinding&, offload::MemoryAccess&,
+                              offload::CompletionSink&, std::string& error) override;
+  void detach_locked(Host::Engine*) override;
+  offload::PostResult post_send_locked(Host::Engine*, const offload::SendWork&, uint64_t now_ns) override;
+  offload::PostResult post_receive_locked(Host::Engine*, const offload::ReceiveWork&) override;
+  bool set_ready_locked(Host::Engine*, uint64_t wr_id, uint32_t bytes) override;
+  void enter_error_locked(Host::Engine*) override;
+  bool in_error_locked(const Host::Engine*) const override;
+  uint32_t outstanding_sends_locked(const Host::Engine*) const override;
+  uint32_t outstanding_receives_locked(const Host::Engine*) const override;
+  void posted_locked(Host::Engine*, uint64_t now_ns) override;
 
-  // Receive, run timers, transmit: rounds until no engine has more due now.
-  // True if anything was received or sent.
-  bool progress_locked(uint64_t now_ns);
-  // Every engine sends its held-back acknowledgement now.
-  void flush_acknowledgements_locked(uint64_t now_ns);
-  // The earliest timer across engines and the client; UINT64_MAX: none.
-  uint64_t next_wakeup_locked(uint64_t now_ns);
-  HostCounters counters_locked() const;
+  bool progress_locked(uint64_t now_ns) override;
+  void flush_acknowledgements_locked(uint64_t now_ns) override;
+  uint64_t next_wakeup_locked(uint64_t now_ns) override;
+  HostCounters counters_locked() const override;
 
   // ---- without the lock ----
-  // Wakes the engine thread (or a sleep_until_work).
-  void kick();
-  // Blocks in the kernel until a datagram, a kick, `extra_fd` or the next
-  // timer (at most until `limit_ns`). Takes the lock to read the timers.
-  void sleep_until_work(uint64_t limit_ns, int extra_fd);
+  void kick() override;
+  // Takes the lock to read the timers.
+  void sleep_until_work(uint64_t limit_ns, int extra_fd) override;
 
  private:
   // One round of progress_locked: receive, then flush what engines have

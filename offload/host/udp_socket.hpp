@@ -36,6 +36,7 @@ struct Datagram {
 struct SocketError {
   bool invalid_address = false;
   std::string message;
+  bool permission_denied = false;  // the engine daemon refused the application's credentials
 };
 
 class UdpSocket {

@@ -34,6 +34,16 @@ Result<std::shared_ptr<Context>> Context::open(const ContextOptions& options) {
   if (!faults) return faults.status();
   ContextOptions effective = options;
   effective.faults = *faults;
+  // The placement of the engines: a deployment switches an unchanged
+  // program to the daemon with the environment alone.
+  if (auto engine = config::text("STELLAR_ENGINE")) {
+    if (*engine == "inline") effective.progress = ProgressMode::inline_poll;
+    else if (*engine == "thread") effective.progress = ProgressMode::thread;
+    else if (*engine == "daemon") effective.progress = ProgressMode::daemon;
+    else return Status(Errc::invalid_argument, "STELLAR_ENGINE='" + *engine + "' is not inline, thread or daemon");
+  }
+  if (effective.engined_socket.empty())
+    effective.engined_socket = config::text("STELLAR_ENGINED_SOCKET").value_or("/run/stellar/engined.sock");
   if (effective.mtu < 256 || effective.mtu > 16384)
     return Status(Errc::invalid_argument, "mtu " + std::to_string(effective.mtu) + " outside [256, 16384]");
   const provider::Ops* ops = provider::find(effective.provider);

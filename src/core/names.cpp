@@ -29,6 +29,14 @@ std::string Status::to_string() const {
 
 const char* to_string(Provider p) { return p == Provider::verbs ? "verbs" : "soft"; }
 const char* to_string(Mode m) { return m == Mode::roce ? "roce" : "stellar"; }
+const char* to_string(ProgressMode p) {
+  switch (p) {
+    case ProgressMode::inline_poll: return "inline";
+    case ProgressMode::thread: return "thread";
+    case ProgressMode::daemon: return "daemon";
+  }
+  return "?";
+}
 
 Result<Provider> parse_provider(const std::string& s) {
   if (s == "soft") return Provider::soft;

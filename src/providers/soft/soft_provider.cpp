@@ -31,6 +31,7 @@
 #include "core/providers.hpp"
 #include "gpu/cuda_driver.hpp"
 #include "host/engine_host.hpp"
+#include "host/remote_host.hpp"
 #include "providers/soft/gpu_staging.hpp"
 #include "stellar/offload/engine.hpp"
 
@@ -172,12 +173,7 @@ class SoftCq final : public CompletionQueue {
   int poll(std::span<WorkCompletion> out) override;
   Result<int> wait(std::span<WorkCompletion> out, std::chrono::nanoseconds timeout) override;
   int fd() const override { return event_fd_; }
-  Status request_notify() override {
-    armed_.store(true);
-    std::lock_guard lock(mutex_);
-    if (count_ > 0) signal();
-    return {};
-  }
+  Status request_notify() override;
   uint32_t capacity() const override { return uint32_t(ring_.size()); }
 
   void push(const off::Completion& c) {
@@ -236,9 +232,39 @@ class SoftQp;
 
 class SoftContext final : public Context, public host::HostClient {
  public:
-  explicit SoftContext(const ContextOptions& options) : options_(options), host_(mutex_, *this) {}
+  explicit SoftContext(const ContextOptions& options) : options_(options) {
+    // One engine host, three placements (offload/host/host.hpp): in this
+    // process (inline or on its engine thread), or in stellar-engined.
+    if (options_.progress == ProgressMode::daemon) host_ = std::make_unique<host::RemoteHost>(mutex_, *this);
+    else host_ = std::make_unique<host::EngineHost>(mutex_, *this);
+  }
   ~SoftContext() override {
-    host_.stop();  // no progress round runs from here on
+    if (watcher_.joinable()) {
+      watching_.store(false);
+      host_->kick();
+      watcher_.join();
+    }
+    host_->stop();  // no progress round runs from here on
+  }
+
+  // The daemon placement has no engine thread in this process to move
+  // completions into CQs while the application sleeps on a CQ's fd: a
+  // watcher thread does, started by the first request_notify. It sleeps
+  // until the daemon says completions arrived (the wake eventfd), takes
+  // them, and sleeps again; it costs nothing while none arrive.
+  void watch_completions() {
+    if (!daemon()) return;
+    std::lock_guard lock(mutex_);
+    if (watcher_.joinable()) return;
+    watching_.store(true);
+    watcher_ = std::thread([this] {
+      while (watching_.load()) {
+        host_->sleep_until_work(monotonic_ns() + 100'000'000, -1);
+        std::lock_guard lock(mutex_);
+        host_->progress_locked(monotonic_ns());
+        if (!static_cast<host::RemoteHost&>(*host_).daemon_alive()) break;  // everything is flushed
+      }
+    });
   }
 
   Status start() {
@@ -255,16 +281,20 @@ class SoftContext final : public Context, public host::HostClient {
     h.engine_thread = options_.progress == ProgressMode::thread;
     h.adaptive_wait = options_.wait == WaitPolicy::adaptive;
     h.spin_ns = uint64_t(options_.spin_time.count());
-    if (auto error = host_.open(h))
-      return Status(error->invalid_address ? Errc::invalid_argument : Errc::io_error, error->message);
+    h.daemon_socket = options_.engined_socket;
+    if (auto error = host_->open(h))
+      return Status(error->permission_denied ? Errc::permission_denied
+                    : error->invalid_address   ? Errc::invalid_argument
+                                               : Errc::io_error,
+                    error->message);
     auto& t = tenants_[""];
     t.name = "";
     t.pkey = 0xffff;
     log().info("soft provider: {} mode on {}:{}, mtu {}, UDP GSO {}, GRO {}, {} progress, faults drop {} dup {} reorder {}",
-               to_string(options_.mode), local_address(), local_port(), options_.mtu, host_.gso() ? "on" : "off",
-               host_.gro() ? "on" : "off", options_.progress == ProgressMode::thread ? "engine-thread" : "inline",
+               to_string(options_.mode), local_address(), local_port(), options_.mtu, host_->gso() ? "on" : "off",
+               host_->gro() ? "on" : "off", host_->placement(),
                options_.faults.drop, options_.faults.duplicate, options_.faults.reorder);
-    host_.start();
+    host_->start();
     return {};
   }
 
@@ -299,17 +329,18 @@ class SoftContext final : public Context, public host::HostClient {
   void progress() override {
     if (options_.progress == ProgressMode::thread) return;
     std::lock_guard lock(mutex_);
-    host_.progress_locked(monotonic_ns());
+    host_->progress_locked(monotonic_ns());
   }
   void flush_acknowledgements() override {
     std::lock_guard lock(mutex_);
-    host_.flush_acknowledgements_locked(monotonic_ns());
+    host_->flush_acknowledgements_locked(monotonic_ns());
   }
-  int progress_fd() const override { return host_.fd(); }
+  int progress_fd() const override { return host_->fd(); }
   ContextCounters counters() const override;
   const ContextOptions& options() const override { return options_; }
-  std::string local_address() const override { return host::format_ipv4(host_.local()); }
-  uint16_t local_port() const override { return ntohs(host_.local().sin_port); }
+  std::string local_address() const override { return host::format_ipv4(host_->local()); }
+  uint16_t local_port() const override { return ntohs(host_->local().sin_port); }
+  bool daemon() const { return options_.progress == ProgressMode::daemon; }
 
   std::shared_ptr<SoftContext> self() { return std::static_pointer_cast<SoftContext>(shared_from_this()); }
   off::Mode engine_mode() const { return options_.mode == Mode::roce ? off::Mode::roce : off::Mode::stellar; }
@@ -334,20 +365,26 @@ class SoftContext final : public Context, public host::HostClient {
   uint64_t memory_generation_ = 1;               // bumped by every deregistration
   GpuStaging staging_;              // shadows, staging streams, pipelined source copies
   uint64_t held_completions_ = 0;  // completions QPs hold for destination copies (HeldCompletion)
-  host::EngineHost host_;           // last: its engine thread stops before the rest goes
+  uint32_t next_pd_ = 1;            // protection-domain ids (the daemon checks keys against them)
+  std::thread watcher_;             // daemon placement: watch_completions()
+  std::atomic<bool> watching_{false};
+  std::unique_ptr<host::Host> host_;  // last: its engine thread stops before the rest goes
 };
 
 class SoftPd final : public ProtectionDomain, public std::enable_shared_from_this<SoftPd> {
  public:
-  SoftPd(std::shared_ptr<SoftContext> context, std::string tenant) : context_(std::move(context)), tenant_(std::move(tenant)) {}
+  SoftPd(std::shared_ptr<SoftContext> context, std::string tenant, uint32_t id)
+      : context_(std::move(context)), tenant_(std::move(tenant)), id_(id) {}
   Result<std::unique_ptr<MemoryRegion>> register_memory(void* addr, size_t length, uint32_t access) override;
   Result<std::shared_ptr<QueuePair>> create_qp(const QpInitAttributes&) override;
   const std::string& tenant() const override { return tenant_; }
   SoftContext& context() const { return *context_; }
+  uint32_t id() const { return id_; }
 
  private:
   std::shared_ptr<SoftContext> context_;
   std::string tenant_;
+  uint32_t id_;
 };
 
 class SoftMr final : public MemoryRegion {
@@ -366,6 +403,7 @@ class SoftMr final : public MemoryRegion {
     }
     t.by_rkey.erase(e_.rkey);
     t.lkey_to_rkey.erase(e_.lkey);
+    c.host_->deregister_memory_locked(e_.lkey);  // the daemon: returns once it cannot touch the memory
     ++c.memory_generation_;  // engines re-check posted local segments before using them
   }
   uint32_t lkey() const override { return e_.lkey; }
@@ -387,6 +425,9 @@ Result<std::unique_ptr<MemoryRegion>> SoftPd::register_memory(void* addr, size_t
     return Status(Errc::invalid_argument, "register_memory: remote write/atomic access requires local write (as in verbs)");
   MrEntry e{reinterpret_cast<uint64_t>(addr), length, access, this, 0, 0, static_cast<uint8_t*>(addr), nullptr, 0, nullptr};
   if (length && gpu::memory_kind(addr) == gpu::MemoryKind::device) {
+    if (context_->daemon())
+      return Status(Errc::unsupported, "register_memory: GPU memory in the daemon placement is not supported yet "
+                                       "(STELLAR_ENGINE=inline or thread stage it through pinned shadows)");
     // The CPU cannot address device memory: stage it (GpuShadow).
     if (access & access_remote_atomic)
       return Status(Errc::unsupported, "register_memory: remote atomics on GPU memory are not supported by the soft provider (staged copies are not atomic)");
@@ -408,6 +449,11 @@ Result<std::unique_ptr<MemoryRegion>> SoftPd::register_memory(void* addr, size_t
   e.lkey = t.fresh_key();
   t.by_rkey[e.rkey] = e;
   t.lkey_to_rkey[e.lkey] = e.rkey;
+  if (auto error = context_->host_->register_memory_locked(host::MemoryRegistration{id_, e.lkey, e.rkey, access, e.addr, length})) {
+    t.by_rkey.erase(e.rkey);
+    t.lkey_to_rkey.erase(e.lkey);
+    return Status(Errc::invalid_argument, "register_memory: " + *error);
+  }
   return std::unique_ptr<MemoryRegion>(std::make_unique<SoftMr>(shared_from_this(), e));
 }
 
@@ -450,7 +496,7 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
       // The host acknowledges what was delivered here before the engine
       // goes (the peer's last SEND must complete there) and keeps its counters.
       c.qps_.erase(uint64_t(pkey_) << 32 | qpn_);
-      c.host_.detach_locked(engine_);
+      c.host_->detach_locked(engine_);
       engine_ = nullptr;
     }
   }
@@ -513,8 +559,10 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
         e.cc_config.line_rate_bps = c.options_.line_rate_bps;
         e.cc_config.swift_target_delay_ns = uint64_t(c.options_.cc_target_delay.count());
         // The host fills in the ICRC addresses and dispatches (pkey, qpn) from peer_ to the engine.
-        engine_ = c.host_.attach_locked(e, peer_, *this, *this);
-        for (auto& r : early_receives_) c.host_.post_receive_locked(engine_, r);
+        std::string error;
+        engine_ = c.host_->attach_locked(e, peer_, host::QpBinding{pd_->id(), access_}, *this, *this, error);
+        if (!engine_) return Status(Errc::io_error, "QP " + std::to_string(qpn_) + ": " + error);
+        for (auto& r : early_receives_) c.host_->post_receive_locked(engine_, r);
         early_receives_.clear();
         c.qps_[uint64_t(pkey_) << 32 | qpn_] = this;
         state_ = QpState::rtr;
@@ -527,7 +575,7 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
       case QpState::error:
         log().debug("QP {}: moved to ERROR by the user", qpn_);
         state_ = QpState::error;
-        if (engine_) c.host_.enter_error_locked(engine_);
+        if (engine_) c.host_->enter_error_locked(engine_);
         else flush_early_receives();
         return {};
       case QpState::reset:
@@ -545,7 +593,7 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
     if (wr.sg_list.size() > cap_.max_send_sge || wr.sg_list.size() > off::max_segments)
       return Status(Errc::invalid_argument, "post_send: " + std::to_string(wr.sg_list.size()) + " SGEs exceed max_send_sge");
     // Completions held for GPU copies still count as outstanding (the CQ was sized for max_send_wr of them).
-    if (engine_ && !held_[0].empty() && c.host_.outstanding_sends_locked(engine_) + held_[0].size() >= cap_.max_send_wr)
+    if (engine_ && !held_[0].empty() && c.host_->outstanding_sends_locked(engine_) + held_[0].size() >= cap_.max_send_wr)
       return Status(Errc::queue_full, "post_send: send queue full (max_send_wr " + std::to_string(cap_.max_send_wr) + ", some completions waiting for GPU copies)");
     off::SendWork w;
     // The engine sees the slot's sequence number; deliver() maps it back.
@@ -585,7 +633,7 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
     // the engine sending each chunk as it lands.
     StagingJob job;
     if (!slot.sources.empty()) {
-      if (total >= staging_pipeline_bytes && !c.host_.in_error_locked(engine_)) {
+      if (total >= staging_pipeline_bytes && !c.host_->in_error_locked(engine_)) {
         job.owner = this;
         job.wr_id = sequence;
         job.total = uint32_t(total);
@@ -602,10 +650,10 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
     // flushed in ERROR); swapped back out if the engine refuses it.
     WrSlot& placed = send_slots_[sequence % send_slots_.size()];
     std::swap(placed, slot);
-    const off::PostResult posted = c.host_.post_send_locked(engine_, w, now);
+    const off::PostResult posted = c.host_->post_send_locked(engine_, w, now);
     if (posted != off::PostResult::ok) std::swap(placed, slot);
     if (w.staged) {
-      if (posted == off::PostResult::ok && c.host_.set_ready_locked(engine_, sequence, job.ready())) c.staging_.add(std::move(job));
+      if (posted == off::PostResult::ok && c.host_->set_ready_locked(engine_, sequence, job.ready())) c.staging_.add(std::move(job));
       else GpuStaging::drop(job);  // refused, or flushed at once: the copies have nobody to feed
     }
     switch (posted) {
@@ -615,7 +663,7 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
       case off::PostResult::qp_in_error: return Status(Errc::wrong_state, "post_send: QP in ERROR");
     }
     send_sequence_ = sequence;
-    c.host_.posted_locked(engine_, now);  // inline: transmitted now; engine thread: kicked
+    c.host_->posted_locked(engine_, now);  // inline: transmitted now; engine thread: kicked
     return {};
   }
 
@@ -625,7 +673,7 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
     if (state_ == QpState::reset) return Status(Errc::wrong_state, "post_recv on QP " + std::to_string(qpn_) + " in RESET (needs INIT or later)");
     if (wr.sg_list.size() > cap_.max_recv_sge || wr.sg_list.size() > off::max_segments)
       return Status(Errc::invalid_argument, "post_recv: too many SGEs");
-    if (engine_ && !held_[1].empty() && c.host_.outstanding_receives_locked(engine_) + held_[1].size() >= cap_.max_recv_wr)
+    if (engine_ && !held_[1].empty() && c.host_->outstanding_receives_locked(engine_) + held_[1].size() >= cap_.max_recv_wr)
       return Status(Errc::queue_full, "post_recv: receive queue full (max_recv_wr " + std::to_string(cap_.max_recv_wr) + ", some completions waiting for GPU copies)");
     off::ReceiveWork r;
     const uint64_t sequence = receive_sequence_ + 1;
@@ -649,7 +697,7 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
     }
     WrSlot& placed = recv_slots_[sequence % recv_slots_.size()];
     std::swap(placed, slot);  // before the engine may complete it (see post_send)
-    const off::PostResult posted = c.host_.post_receive_locked(engine_, r);
+    const off::PostResult posted = c.host_->post_receive_locked(engine_, r);
     if (posted != off::PostResult::ok) std::swap(placed, slot);
     switch (posted) {
       case off::PostResult::ok:
@@ -736,7 +784,7 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
       }
       queue.push_back(std::move(held));
       ++context().held_completions_;
-      if (context().options_.progress == ProgressMode::thread) context().host_.kick();  // its wake-up may be later than 10 us
+      if (context().options_.progress == ProgressMode::thread) context().host_->kick();  // its wake-up may be later than 10 us
       return;
     }
     for (const StagedPart& copy : copies)
@@ -770,8 +818,8 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
     return e.pd == pd_.get() && (e.access & access) == access && a >= base && length <= e.length && a - base <= e.length - length;
   }
 
-  host::EngineHost::Engine* engine() { return engine_; }
-  bool in_error() const { return engine_ && pd_->context().host_.in_error_locked(engine_); }
+  host::Host::Engine* engine() { return engine_; }
+  bool in_error() const { return engine_ && pd_->context().host_->in_error_locked(engine_); }
   bool holds_completions() const { return !held_[0].empty() || !held_[1].empty(); }
   void mark_staging_failed(uint64_t engine_wr_id) { send_slots_[engine_wr_id % send_slots_.size()].staging_failed = true; }
   void bind_tenant(Tenant* t) { tenant_ = t; }
@@ -850,7 +898,7 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
   Tenant* tenant_ = nullptr;
   QpState state_ = QpState::reset;
   sockaddr_in peer_{};
-  host::EngineHost::Engine* engine_ = nullptr;  // with the host from RTR on
+  host::Host::Engine* engine_ = nullptr;  // with the host from RTR on
   std::vector<off::ReceiveWork> early_receives_;
   std::vector<WrSlot> send_slots_, recv_slots_;
   WrSlot pending_slot_;  // the WR being posted
@@ -893,7 +941,7 @@ Result<int> SoftCq::wait(std::span<WorkCompletion> out, std::chrono::nanoseconds
         pollfd p{wait_fd_, POLLIN, 0};
         ::poll(&p, 1, int(std::min<uint64_t>((deadline - now + 999'999) / 1'000'000, 1000)));
       } else {
-        context_->host_.sleep_until_work(deadline, wait_fd_);
+        context_->host_->sleep_until_work(deadline, wait_fd_);
       }
       waiting_.store(false);
       uint64_t v;
@@ -904,10 +952,18 @@ Result<int> SoftCq::wait(std::span<WorkCompletion> out, std::chrono::nanoseconds
   }
 }
 
+Status SoftCq::request_notify() {
+  armed_.store(true);
+  context_->watch_completions();
+  std::lock_guard lock(mutex_);
+  if (count_ > 0) signal();
+  return {};
+}
+
 Result<std::shared_ptr<ProtectionDomain>> SoftContext::allocate_pd(const std::string& tenant) {
   std::lock_guard lock(mutex_);
   if (!tenants_.count(tenant)) return Status(Errc::not_found, "no tenant named '" + tenant + "'");
-  return std::shared_ptr<ProtectionDomain>(std::make_shared<SoftPd>(self(), tenant));
+  return std::shared_ptr<ProtectionDomain>(std::make_shared<SoftPd>(self(), tenant, next_pd_++));
 }
 
 Result<std::shared_ptr<QueuePair>> SoftPd::create_qp(const QpInitAttributes& attr) {
@@ -945,17 +1001,17 @@ void SoftContext::poll_staging() {
     if (failed) {
       // As a NIC's failed DMA read: this WR fails, the QP goes to ERROR.
       qp->mark_staging_failed(job.wr_id);
-      host_.enter_error_locked(qp->engine());
+      host_->enter_error_locked(qp->engine());
       return false;
     }
-    return host_.set_ready_locked(qp->engine(), job.wr_id, job.ready());  // false: the WR is gone (flushed)
+    return host_->set_ready_locked(qp->engine(), job.wr_id, job.ready());  // false: the WR is gone (flushed)
   });
 }
 
 ContextCounters SoftContext::counters() const {
   auto& self = const_cast<SoftContext&>(*this);
   std::lock_guard lock(self.mutex_);
-  const host::HostCounters h = host_.counters_locked();
+  const host::HostCounters h = host_->counters_locked();
   const off::EngineCounters& sum = h.engines;
   ContextCounters c;
   c.tx_packets = sum.tx_packets;
@@ -979,6 +1035,8 @@ ContextCounters SoftContext::counters() const {
   c.send_errors = h.send_errors;
   c.rx_receive_calls = h.receive_calls;
   c.rx_coalesced = h.coalesced;
+  c.engine_cpu_ns = h.engine_cpu_ns;
+  c.daemon_refused_entries = h.refused_entries;
   return c;
 }
 

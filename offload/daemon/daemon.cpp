@@ -1,0 +1,945 @@
+#include "daemon/daemon.hpp"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdarg>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "host/daemon_protocol.hpp"
+#include "host/engine_host.hpp"
+
+namespace stellar::engined {
+
+namespace off = stellar::offload;
+using namespace stellar::host;
+using namespace stellar::host::daemon;
+
+namespace {
+
+void say(const char* format, ...) {
+  char line[512];
+  va_list args;
+  va_start(args, format);
+  std::vsnprintf(line, sizeof line, format, args);
+  va_end(args);
+  timespec t;
+  clock_gettime(CLOCK_REALTIME, &t);
+  std::fprintf(stderr, "stellar-engined[%d] %ld.%03ld %s\n", int(getpid()), long(t.tv_sec), t.tv_nsec / 1'000'000, line);
+}
+
+uint64_t process_cpu_ns() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  auto ns = [](const timeval& t) { return uint64_t(t.tv_sec) * 1'000'000'000ull + uint64_t(t.tv_usec) * 1000ull; };
+  return ns(u.ru_utime) + ns(u.ru_stime);
+}
+
+bool is_eventfd(int fd) {
+  char path[64], target[64] = {};
+  std::snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+  const ssize_t n = ::readlink(path, target, sizeof target - 1);
+  return n > 0 && std::strcmp(target, "anon_inode:[eventfd]") == 0;
+}
+
+// A memfd the client cannot shrink under our mapping (a shrunk file would
+// turn our accesses into SIGBUS), at least `bytes` long.
+bool sealed_memfd(int fd, uint64_t bytes) {
+  struct stat st{};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || uint64_t(st.st_size) < bytes) return false;
+  const int seals = ::fcntl(fd, F_GET_SEALS);
+  return seals >= 0 && (seals & F_SEAL_SHRINK);
+}
+
+void close_all(std::vector<int>& fds) {
+  for (int fd : fds) ::close(fd);
+  fds.clear();
+}
+
+}  // namespace
+
+// Daemon-wide figures a client may ask for (the counters request).
+struct Stats {
+  std::atomic<uint32_t> sessions{0}, engines{0};
+};
+
+// ---------------------------------------------------------------------------
+// A session: one application context.
+
+class Session final : public HostClient {
+ public:
+  // A registered region: addresses are the client's.
+  struct Mr {
+    uint32_t pd = 0, lkey = 0, rkey = 0, access = 0;
+    uint64_t address = 0, length = 0;
+    bool contains(uint64_t a, uint64_t n) const { return a >= address && n <= length && a - address <= length - n; }
+  };
+
+  // One QP's engine: its memory is the session's, checked as the
+  // application side's SoftQp checks it, and reached in the client's process
+  // (process_vm_readv/writev); its completions go to the ring.
+  struct Qp final : off::MemoryAccess, off::CompletionSink {
+    Session& s;
+    uint32_t handle = 0, pd = 0, access = 0;
+    uint64_t key = 0;  // pkey << 32 | qpn
+    Host::Engine* engine = nullptr;
+    // WRs the engine had no room for (its PSN space: a quarter in flight),
+    // posted in order later; an inline payload keeps its bytes here.
+    struct Backlogged {
+      off::SendWork w;
+      uint8_t bytes[off::max_inline_bytes];
+    };
+    std::deque<Backlogged> backlog;
+    Qp(Session& session) : s(session) {}
+
+    uint8_t* resolve(uint32_t rkey, uint64_t address, uint64_t length, uint32_t need) override {
+      auto k = s.rkey_to_lkey_.find(rkey);
+      if (k == s.rkey_to_lkey_.end()) return nullptr;
+      const Mr& m = s.mrs_.at(k->second);
+      if (m.pd != pd || (m.access & need) != need || !(access & need) || !m.contains(address, length)) return nullptr;
+      return reinterpret_cast<uint8_t*>(address);  // the client's address: only read()/write() use it
+    }
+    uint64_t generation() const override { return s.generation_; }
+    bool local_valid(uint32_t lkey, const uint8_t* address, uint64_t length, uint32_t need) override {
+      auto it = s.mrs_.find(lkey);
+      if (it == s.mrs_.end()) return false;
+      const Mr& m = it->second;
+      return m.pd == pd && (m.access & need) == need && m.contains(reinterpret_cast<uint64_t>(address), length);
+    }
+    bool direct() const override { return false; }
+    bool read(void* to, const uint8_t* address, size_t length) override { return s.client_copy(to, address, length, false); }
+    bool write(uint8_t* address, const void* from, size_t length) override {
+      return s.client_copy(const_cast<void*>(from), address, length, true);
+    }
+    void deliver(const off::Completion& c) override {
+      CompletionEntry e;
+      e.handle = handle;
+      e.status = uint8_t(c.status);
+      e.opcode = uint8_t(c.opcode);
+      e.has_imm = c.has_imm;
+      e.wr_id = c.wr_id;
+      e.byte_length = c.byte_length;
+      e.imm = c.imm;
+      e.qp_number = c.qp_number;
+      s.push_completion(e);
+    }
+  };
+
+  Session(int socket, ucred credentials, Stats& stats)
+      : socket_(socket), credentials_(credentials), stats_(stats), host_(mutex_, *this) {
+    ++stats_.sessions;
+  }
+  ~Session() override {
+    --stats_.sessions;
+    if (area_memory_) ::munmap(area_memory_, area_bytes_);
+    for (int fd : {socket_, doorbell_fd_, wake_fd_})
+      if (fd >= 0) ::close(fd);
+  }
+
+  // Copies between our buffer and the client's memory (a NIC's DMA): one
+  // process_vm_readv/writev. Only ranges the engine checked against a
+  // registration reach here. False if the client is gone or unmapped it.
+  bool client_copy(void* ours, const uint8_t* theirs, size_t length, bool to_client) {
+    iovec local{ours, length};
+    iovec remote{const_cast<uint8_t*>(theirs), length};
+    const ssize_t n = to_client ? ::process_vm_writev(credentials_.pid, &local, 1, &remote, 1, 0)
+                                : ::process_vm_readv(credentials_.pid, &local, 1, &remote, 1, 0);
+    if (n == ssize_t(length)) return true;
+    if (copy_failures_++ < 4)
+      say("client pid %d: %s %zu bytes at %p failed: %s", int(credentials_.pid), to_client ? "writing" : "reading", length,
+          static_cast<const void*>(theirs), n < 0 ? std::strerror(errno) : "short copy");
+    return false;
+  }
+
+  int socket() const { return socket_; }
+  const ucred& credentials() const { return credentials_; }
+  bool opened() const { return opened_.load(std::memory_order_acquire); }
+  std::mutex& mutex() { return mutex_; }
+  EngineHost& host() { return host_; }
+  int doorbell_fd() const { return doorbell_fd_; }
+  SharedArea* area() const { return area_; }
+  bool broken() const { return broken_.load(std::memory_order_relaxed); }
+
+  // Handles one request from the client; false to end the session.
+  bool handle(const uint8_t* message, long length, std::vector<int>& fds);
+  // The client is gone: its QPs are flushed and freed, their final
+  // acknowledgements sent, its memory unmapped (the destructor).
+  void teardown() {
+    broken_.store(true);  // a shard still holding it skips it from now on
+    std::lock_guard lock(mutex_);
+    for (auto& [handle, qp] : qps_) {
+      host_.enter_error_locked(qp->engine);
+      host_.detach_locked(qp->engine);
+      --stats_.engines;
+    }
+    qps_.clear();
+    engine_keys_.clear();
+  }
+
+  // ---- under the mutex ----
+  // HostClient: the submission ring is the session's input besides the socket.
+  void on_progress_locked(uint64_t) override {
+    retry_backlog_locked();
+    drain_submissions_locked();
+    flush_overflow_locked();
+  }
+  uint64_t next_wakeup_locked(uint64_t now) override {
+    if (!area_) return UINT64_MAX;
+    if (area_->submit_tail.value.load(std::memory_order_acquire) != submit_head_) return now;
+    return overflow_.empty() && !backlogged_ ? UINT64_MAX : now + 10'000;
+  }
+  bool submissions_waiting() const {
+    return area_ && area_->submit_tail.value.load(std::memory_order_seq_cst) != submit_head_;
+  }
+  // Wakes the client if it asked to be woken and got completions.
+  void notify_client_locked() {
+    if (!pushed_ || !area_) return;
+    pushed_ = false;
+    if (area_->client_waiting.value.load(std::memory_order_seq_cst) || area_->client_events.value.load(std::memory_order_relaxed)) {
+      const uint64_t one = 1;
+      [[maybe_unused]] ssize_t r = ::write(wake_fd_, &one, sizeof one);
+    }
+  }
+
+ private:
+  Reply reply(bool ok, const char* format = "", ...) {
+    Reply r;
+    r.h = {uint32_t(MessageType::reply), sizeof r};
+    r.ok = ok ? 1 : 0;
+    if (!ok) {
+      va_list args;
+      va_start(args, format);
+      std::vsnprintf(r.message, sizeof r.message, format, args);
+      va_end(args);
+    }
+    return r;
+  }
+  bool answer(const Reply& r) { return send_message(socket_, &r, sizeof r); }
+
+  bool open(const OpenRequest&, std::vector<int>& fds);
+  Reply register_memory(const RegisterRequest&);
+  Reply attach(const AttachRequest&);
+
+  void push_completion(const CompletionEntry& e) {
+    pushed_ = true;
+    if (overflow_.empty() && push_ring(e)) return;
+    overflow_.push_back(e);  // never lost: delivered in order once the client has polled
+  }
+  bool push_ring(const CompletionEntry& e) {
+    // The client's head is its word: a lie only loses its own completions.
+    const uint64_t head = area_->completion_head.value.load(std::memory_order_acquire);
+    if (completion_tail_ - head >= completion_capacity_) return false;
+    completions_[completion_tail_ & (completion_capacity_ - 1)] = e;
+    ++completion_tail_;
+    area_->completion_tail.value.store(completion_tail_, std::memory_order_release);
+    return true;
+  }
+  void flush_overflow_locked() {
+    while (!overflow_.empty() && push_ring(overflow_.front())) overflow_.pop_front();
+  }
+
+  void refuse_entry(const char* why) {
+    if (refused_++ < 8) say("client pid %d: ring entry refused: %s", int(credentials_.pid), why);
+  }
+  void drain_submissions_locked();
+  void submit_locked(const SubmitEntry&);
+  bool try_post_locked(Qp&, const off::SendWork&);
+  void enqueue_locked(Qp&, const off::SendWork&);
+  void retry_backlog_locked();
+  void fail_locked(Qp& qp, uint64_t wr_id, bool receive, off::CompletionStatus status, off::WorkOpcode opcode) {
+    off::Completion c;
+    c.wr_id = wr_id;
+    c.status = status;
+    c.opcode = receive ? off::CompletionOpcode::receive : off::CompletionOpcode::send;
+    if (!receive && opcode == off::WorkOpcode::rdma_read) c.opcode = off::CompletionOpcode::rdma_read;
+    c.qp_number = uint32_t(qp.key);
+    qp.deliver(c);
+  }
+
+  int socket_;
+  ucred credentials_;
+  Stats& stats_;
+  std::mutex mutex_;
+  EngineHost host_;
+  void* area_memory_ = nullptr;
+  size_t area_bytes_ = 0;
+  SharedArea* area_ = nullptr;
+  SubmitEntry* submit_ = nullptr;
+  CompletionEntry* completions_ = nullptr;
+  uint32_t submit_capacity_ = 0, completion_capacity_ = 0;
+  uint64_t submit_head_ = 0, completion_tail_ = 0;
+  int doorbell_fd_ = -1, wake_fd_ = -1;
+  uint32_t mtu_ = 0;
+  std::deque<CompletionEntry> overflow_;
+  bool pushed_ = false;
+  bool backlogged_ = false;
+  std::atomic<bool> broken_{false};
+  std::atomic<bool> opened_{false};  // the area and host are set up (shards look without the mutex)
+  std::unordered_map<uint32_t, Mr> mrs_;  // by lkey
+  std::unordered_map<uint32_t, uint32_t> rkey_to_lkey_;
+  uint64_t generation_ = 1;
+  std::unordered_map<uint32_t, std::unique_ptr<Qp>> qps_;  // by handle
+  std::unordered_set<uint64_t> engine_keys_;
+  uint32_t next_handle_ = 1;
+  uint64_t refused_ = 0;
+  uint64_t copy_failures_ = 0;
+};
+
+void Session::drain_submissions_locked() {
+  if (!area_ || broken()) return;
+  const uint64_t tail = area_->submit_tail.value.load(std::memory_order_acquire);
+  if (tail - submit_head_ > submit_capacity_) {
+    // An index no producer could have written: the session cannot be
+    // trusted to mean anything any more. It ends (its socket is shut down,
+    // the control thread tears it down); the daemon goes on.
+    ++refused_;
+    say("client pid %d: submission ring index corrupt (head %llu, tail %llu): session closed", int(credentials_.pid),
+        (unsigned long long)submit_head_, (unsigned long long)tail);
+    broken_.store(true);
+    ::shutdown(socket_, SHUT_RDWR);
+    return;
+  }
+  while (submit_head_ != tail) {
+    SubmitEntry e;
+    // Copied out before it is looked at: the client may rewrite the slot meanwhile.
+    std::memcpy(static_cast<void*>(&e), &submit_[submit_head_ & (submit_capacity_ - 1)], sizeof e);
+    ++submit_head_;
+    submit_locked(e);
+  }
+  area_->submit_head.value.store(submit_head_, std::memory_order_release);
+}
+
+void Session::submit_locked(const SubmitEntry& e) {
+  auto it = qps_.find(e.handle);
+  if (it == qps_.end()) return refuse_entry("no such QP handle in this session");
+  Qp& qp = *it->second;
+  switch (EntryKind(e.kind)) {
+    case EntryKind::post_receive: {
+      if (e.count > off::max_segments) return refuse_entry("receive with too many segments");
+      off::ReceiveWork r;
+      r.wr_id = e.wr_id;
+      r.segment_count = e.count;
+      for (uint32_t i = 0; i < e.count; ++i) {
+        const WireSegment& g = e.segments[i];
+        auto m = mrs_.find(g.lkey);
+        const bool ok = g.length == 0 || (m != mrs_.end() && m->second.pd == qp.pd &&
+                                          (m->second.access & off::access_local_write) && m->second.contains(g.address, g.length));
+        if (!ok) {
+          // As a NIC: a receive whose lkey does not check out fails, and the QP with it.
+          fail_locked(qp, e.wr_id, true, off::CompletionStatus::local_protection_error, off::WorkOpcode::send);
+          host_.enter_error_locked(qp.engine);
+          return refuse_entry("receive segment outside the client's registered memory");
+        }
+        r.segments[i] = off::Segment{reinterpret_cast<uint8_t*>(g.address), g.length, g.lkey};
+      }
+      const off::PostResult result = host_.post_receive_locked(qp.engine, r);
+      if (result != off::PostResult::ok)
+        fail_locked(qp, e.wr_id, true,
+                    result == off::PostResult::qp_in_error ? off::CompletionStatus::work_request_flushed
+                                                           : off::CompletionStatus::local_qp_operation_error,
+                    off::WorkOpcode::send);
+      return;
+    }
+    case EntryKind::post_send: {
+      if (e.opcode > uint8_t(off::WorkOpcode::atomic_compare_swap)) return refuse_entry("unknown opcode");
+      off::SendWork w;
+      w.wr_id = e.wr_id;
+      w.opcode = off::WorkOpcode(e.opcode);
+      w.signaled = e.signaled;
+      w.solicited = e.solicited;
+      w.remote_addr = e.remote_addr;
+      w.rkey = e.rkey;
+      w.imm = e.imm;
+      w.compare_add = e.compare_add;
+      w.swap = e.swap;
+      if (e.inline_data) {
+        if (e.count > off::max_inline_bytes) return refuse_entry("inline payload too long");
+        // The engine copies inline payloads when the WR is posted; the entry
+        // is ours (copied out of the ring) until then. A backlogged WR keeps
+        // its own copy (enqueue_locked).
+        w.inline_data = true;
+        w.segment_count = e.count ? 1 : 0;
+        w.segments[0] = off::Segment{const_cast<uint8_t*>(e.inline_bytes), e.count, 0};
+      } else {
+        if (e.count > off::max_segments) return refuse_entry("send with too many segments");
+        const bool writes_local = w.opcode == off::WorkOpcode::rdma_read || w.opcode == off::WorkOpcode::atomic_fetch_add ||
+                                  w.opcode == off::WorkOpcode::atomic_compare_swap;
+        const uint32_t need = writes_local ? uint32_t(off::access_local_write) : 0u;
+        w.segment_count = e.count;
+        for (uint32_t i = 0; i < e.count; ++i) {
+          const WireSegment& g = e.segments[i];
+          auto m = mrs_.find(g.lkey);
+          const bool ok = g.length == 0 || (m != mrs_.end() && m->second.pd == qp.pd && (m->second.access & need) == need &&
+                                            m->second.contains(g.address, g.length));
+          if (!ok) {
+            fail_locked(qp, e.wr_id, false, off::CompletionStatus::local_protection_error, w.opcode);
+            host_.enter_error_locked(qp.engine);
+            return refuse_entry("send segment outside the client's registered memory");
+          }
+          w.segments[i] = off::Segment{reinterpret_cast<uint8_t*>(g.address), g.length, g.lkey};
+        }
+      }
+      // In order: behind WRs still waiting for room, or first in line.
+      if (!qp.backlog.empty() || !try_post_locked(qp, w)) enqueue_locked(qp, w);
+      return;
+    }
+  }
+  refuse_entry("unknown entry kind");
+}
+
+// False: the engine has no room now (the caller keeps the WR in order).
+bool Session::try_post_locked(Qp& qp, const off::SendWork& w) {
+  switch (host_.post_send_locked(qp.engine, w, monotonic_ns())) {
+    case off::PostResult::ok: return true;
+    case off::PostResult::queue_full: return false;
+    case off::PostResult::invalid_argument:
+      fail_locked(qp, w.wr_id, false, off::CompletionStatus::local_length_error, w.opcode);
+      return true;
+    case off::PostResult::qp_in_error:
+      fail_locked(qp, w.wr_id, false, off::CompletionStatus::work_request_flushed, w.opcode);
+      return true;
+  }
+  return true;
+}
+
+void Session::enqueue_locked(Qp& qp, const off::SendWork& w) {
+  Qp::Backlogged& b = qp.backlog.emplace_back();  // deque: its address stays put until popped
+  b.w = w;
+  if (w.inline_data && w.segment_count) {
+    std::memcpy(b.bytes, w.segments[0].address, w.segments[0].length);
+    b.w.segments[0].address = b.bytes;
+  }
+  backlogged_ = true;
+}
+
+void Session::retry_backlog_locked() {
+  if (!backlogged_) return;
+  backlogged_ = false;
+  for (auto& [handle, qp] : qps_) {
+    while (!qp->backlog.empty() && try_post_locked(*qp, qp->backlog.front().w)) qp->backlog.pop_front();
+    if (!qp->backlog.empty()) backlogged_ = true;
+  }
+}
+
+bool Session::open(const OpenRequest& r, std::vector<int>& fds) {
+  // A refused open is answered and the connection kept (the client closes it).
+  auto refuse = [&](const char* why) {
+    close_all(fds);
+    return answer(reply(false, "open: %s", why));
+  };
+  if (area_) return refuse("this connection already has a context");
+  if (r.magic != protocol_magic || r.version != protocol_version) return refuse("protocol version mismatch (library and daemon differ)");
+  if (fds.size() != 3) return refuse("expected the shared area memfd and two eventfds");
+  const uint32_t sc = r.submit_capacity, cc = r.completion_capacity;
+  if (sc < 16 || sc > 65536 || (sc & (sc - 1)) || cc < 16 || cc > (1u << 20) || (cc & (cc - 1)))
+    return refuse("ring capacities must be powers of two in [16, 65536] and [16, 1048576]");
+  const size_t bytes = area_bytes(sc, cc);
+  if (!sealed_memfd(fds[0], bytes)) return refuse("the shared area must be a memfd sealed against shrinking, of the rings' size");
+  if (!is_eventfd(fds[1]) || !is_eventfd(fds[2])) return refuse("doorbell and wake descriptors must be eventfds");
+  char address[sizeof r.bind_address + 1] = {};
+  std::memcpy(address, r.bind_address, sizeof r.bind_address);
+  auto bind = parse_ipv4(address, r.udp_port);
+  if (!bind || bind->sin_addr.s_addr == 0) return refuse("bind address must be a concrete IPv4 address");
+  if (r.udp_port != 0 && r.udp_port < 1024 && credentials_.uid != 0) return refuse("ports below 1024 are for root's contexts");
+  if (r.mode > uint8_t(off::Mode::roce)) return refuse("unknown mode");
+  if (r.mtu < 256 || r.mtu > 16384) return refuse("mtu outside [256, 16384]");
+  for (double p : {r.drop, r.duplicate, r.reorder})
+    if (!(p >= 0 && p <= 1)) return refuse("fault probabilities must be in [0, 1]");
+
+  void* memory = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[0], 0);
+  if (memory == MAP_FAILED) return refuse("cannot map the shared area");
+  ::close(fds[0]);
+  HostOptions h;
+  h.bind_address = address;
+  h.udp_port = r.udp_port;
+  h.mode = off::Mode(r.mode);
+  h.mtu = r.mtu;
+  h.faults = FaultOptions{r.drop, r.duplicate, r.reorder, r.seed};
+  if (auto error = host_.open(h)) {
+    ::munmap(memory, bytes);
+    ::close(fds[1]);
+    ::close(fds[2]);
+    fds.clear();
+    return answer(reply(false, "open: %s", error->message.c_str()));
+  }
+  area_memory_ = memory;
+  area_bytes_ = bytes;
+  area_ = static_cast<SharedArea*>(memory);
+  submit_ = submit_ring(memory);
+  completions_ = completion_ring(memory, sc);
+  submit_capacity_ = sc;
+  completion_capacity_ = cc;
+  // Our indices start where the client's area says (a fresh area: 0); from
+  // here on only ours count.
+  submit_head_ = 0;
+  completion_tail_ = 0;
+  doorbell_fd_ = fds[1];
+  wake_fd_ = fds[2];
+  fds.clear();
+  mtu_ = r.mtu;
+  opened_.store(true, std::memory_order_release);
+  Reply ok = reply(true);
+  ok.local_address = host_.local().sin_addr.s_addr;
+  ok.local_port = host_.local().sin_port;
+  ok.gso = host_.gso();
+  ok.gro = host_.gro();
+  ok.daemon_pid = uint32_t(getpid());
+  say("client pid %d uid %d: context on %s:%u (%s mode)", int(credentials_.pid), int(credentials_.uid), address,
+      unsigned(ntohs(ok.local_port)), r.mode ? "roce" : "stellar");
+  return answer(ok);
+}
+
+Reply Session::register_memory(const RegisterRequest& r) {
+  auto refuse = [&](const char* why) { return reply(false, "register_memory: %s", why); };
+  if (r.access & ~uint32_t(off::access_local_write | off::access_remote_write | off::access_remote_read | off::access_remote_atomic))
+    return refuse("unknown access bits");
+  if (r.lkey == 0 || r.rkey == 0 || mrs_.count(r.lkey) || rkey_to_lkey_.count(r.rkey) || mrs_.count(r.rkey) ||
+      rkey_to_lkey_.count(r.lkey))
+    return refuse("keys zero or already in use in this context");
+  if (r.length > (uint64_t(1) << 47) || r.address + r.length < r.address) return refuse("range wraps or is too large");
+  if (r.length) {
+    // Reachable now, or the first packet would fail instead: the usual cause
+    // is ptrace permission (Yama, or a daemon of another user without
+    // CAP_SYS_PTRACE).
+    uint8_t probe;
+    if (!client_copy(&probe, reinterpret_cast<const uint8_t*>(r.address), 1, false))
+      return reply(false,
+                   "register_memory: the daemon cannot read the region in process %d (%s): it needs ptrace access to the "
+                   "application (same user and Yama ptrace_scope <= 1, or CAP_SYS_PTRACE)",
+                   int(credentials_.pid), std::strerror(errno));
+  }
+  Mr m;
+  m.pd = r.pd;
+  m.lkey = r.lkey;
+  m.rkey = r.rkey;
+  m.access = r.access;
+  m.address = r.address;
+  m.length = r.length;
+  mrs_[m.lkey] = m;
+  rkey_to_lkey_[m.rkey] = m.lkey;
+  return reply(true);
+}
+
+Reply Session::attach(const AttachRequest& r) {
+  off::EngineConfig config;
+  std::string error;
+  if (!config_from(r, mtu_, config, error)) return reply(false, "%s", error.c_str());
+  const uint64_t key = uint64_t(config.pkey) << 32 | config.local_qpn;
+  if (engine_keys_.count(key)) return reply(false, "attach: QP %u of partition %u is already attached", config.local_qpn, config.pkey);
+  const uint32_t ip = ntohl(r.peer_address);
+  if (ip == 0 || ip == 0xffffffffu || (ip >> 28) == 0xe || r.peer_port == 0)
+    return reply(false, "attach: the peer is not a unicast address and port");
+  sockaddr_in peer{};
+  peer.sin_family = AF_INET;
+  peer.sin_addr.s_addr = r.peer_address;
+  peer.sin_port = r.peer_port;
+  auto qp = std::make_unique<Qp>(*this);
+  qp->handle = next_handle_++;
+  qp->pd = r.pd;
+  qp->access = r.access;
+  qp->key = key;
+  std::string unused;
+  qp->engine = host_.attach_locked(config, peer, QpBinding{r.pd, r.access}, *qp, *qp, unused);  // never fails in-process
+  engine_keys_.insert(key);
+  ++stats_.engines;
+  Reply ok = reply(true);
+  ok.handle = qp->handle;
+  qps_[qp->handle] = std::move(qp);
+  return ok;
+}
+
+bool Session::handle(const uint8_t* message, long length, std::vector<int>& fds) {
+  MessageHeader h{};
+  if (length < long(sizeof h)) {
+    close_all(fds);
+    return answer(reply(false, "malformed request"));
+  }
+  std::memcpy(&h, message, sizeof h);
+  auto sized = [&](size_t minimum, size_t maximum) { return h.length == size_t(length) && size_t(length) >= minimum && size_t(length) <= maximum; };
+  const MessageType type = MessageType(h.type);
+  if (type == MessageType::open) {
+    OpenRequest r;
+    if (!sized(sizeof r, sizeof r)) {
+      close_all(fds);
+      return answer(reply(false, "malformed open request"));
+    }
+    std::memcpy(&r, message, sizeof r);
+    std::lock_guard lock(mutex_);
+    return open(r, fds);
+  }
+  if (!area_) {
+    close_all(fds);
+    return answer(reply(false, "open a context first"));
+  }
+  std::lock_guard lock(mutex_);
+  // Work posted before this request comes first (a deregistration must not
+  // overtake the sends that use the region; an attach its receives).
+  drain_submissions_locked();
+  Reply out;
+  switch (type) {
+    case MessageType::register_memory: {
+      RegisterRequest r;
+      if (!sized(sizeof r, sizeof r)) {
+        out = reply(false, "malformed register request");
+        break;
+      }
+      std::memcpy(&r, message, sizeof r);
+      out = register_memory(r);
+      break;
+    }
+    case MessageType::deregister_memory: {
+      KeyRequest r;
+      if (!sized(sizeof r, sizeof r)) {
+        out = reply(false, "malformed deregister request");
+        break;
+      }
+      std::memcpy(&r, message, sizeof r);
+      auto it = mrs_.find(r.lkey);
+      if (it == mrs_.end()) {
+        out = reply(false, "deregister_memory: no region with lkey %u in this context", r.lkey);
+        break;
+      }
+      rkey_to_lkey_.erase(it->second.rkey);
+      mrs_.erase(it);
+      ++generation_;  // engines re-check posted segments before touching them
+      out = reply(true);
+      break;
+    }
+    case MessageType::attach: {
+      AttachRequest r;
+      if (!sized(sizeof r, sizeof r)) {
+        out = reply(false, "malformed attach request");
+        break;
+      }
+      std::memcpy(&r, message, sizeof r);
+      out = attach(r);
+      break;
+    }
+    case MessageType::detach: {
+      HandleRequest r;
+      if (!sized(sizeof r, sizeof r)) {
+        out = reply(false, "malformed detach request");
+        break;
+      }
+      std::memcpy(&r, message, sizeof r);
+      auto it = qps_.find(r.handle);
+      if (it == qps_.end()) {
+        out = reply(false, "detach: no QP handle %u in this context", r.handle);
+        break;
+      }
+      host_.detach_locked(it->second->engine);
+      engine_keys_.erase(it->second->key);
+      qps_.erase(it);
+      --stats_.engines;
+      out = reply(true);
+      break;
+    }
+    case MessageType::enter_error: {
+      HandleRequest r;
+      if (!sized(sizeof r, sizeof r)) {
+        out = reply(false, "malformed enter_error request");
+        break;
+      }
+      std::memcpy(&r, message, sizeof r);
+      auto it = qps_.find(r.handle);
+      if (it == qps_.end()) {
+        out = reply(false, "enter_error: no QP handle %u in this context", r.handle);
+        break;
+      }
+      Qp& qp = *it->second;
+      host_.enter_error_locked(qp.engine);  // flushes what the engine holds, in order
+      for (const Qp::Backlogged& b : qp.backlog)  // then what it had no room for yet
+        fail_locked(qp, b.w.wr_id, false, off::CompletionStatus::work_request_flushed, b.w.opcode);
+      qp.backlog.clear();
+      out = reply(true);
+      break;
+    }
+    case MessageType::flush_acknowledgements:
+      host_.flush_acknowledgements_locked(monotonic_ns());
+      out = reply(true);
+      break;
+    case MessageType::counters:
+      out = reply(true);
+      out.counters = host_.counters_locked();
+      out.counters.refused_entries = refused_;
+      out.counters.engine_cpu_ns = process_cpu_ns();
+      out.sessions = stats_.sessions.load();
+      out.engines = stats_.engines.load();
+      break;
+    default:
+      out = reply(false, "unknown request type %u", h.type);
+      break;
+  }
+  close_all(fds);
+  notify_client_locked();
+  return answer(out);
+}
+
+// ---------------------------------------------------------------------------
+// A shard: one thread progressing its sessions.
+
+class Shard {
+ public:
+  Shard(const DaemonOptions& options, unsigned index) : options_(options), index_(index) {
+    wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  }
+  ~Shard() {
+    stop();
+    ::close(wake_fd_);
+  }
+  void start() {
+    running_.store(true);
+    thread_ = std::thread([this] { run(); });
+  }
+  void stop() {
+    running_.store(false);
+    if (thread_.joinable()) {
+      wake();
+      thread_.join();
+    }
+  }
+  void add(std::shared_ptr<Session> s) {
+    {
+      std::lock_guard lock(mutex_);
+      sessions_.push_back(std::move(s));
+      ++version_;
+    }
+    wake();
+  }
+  void remove(const Session* s) {
+    std::lock_guard lock(mutex_);
+    std::erase_if(sessions_, [&](auto& p) { return p.get() == s; });
+    ++version_;
+  }
+  size_t size() {
+    std::lock_guard lock(mutex_);
+    return sessions_.size();
+  }
+  void wake() {
+    const uint64_t one = 1;
+    [[maybe_unused]] ssize_t r = ::write(wake_fd_, &one, sizeof one);
+  }
+
+ private:
+  void run();
+  void sleep(std::vector<std::shared_ptr<Session>>& sessions);
+
+  const DaemonOptions& options_;
+  unsigned index_;
+  int wake_fd_ = -1;
+  std::mutex mutex_;
+  std::vector<std::shared_ptr<Session>> sessions_;
+  uint64_t version_ = 0;
+  std::thread thread_;
+  std::atomic<bool> running_{false};
+};
+
+void Shard::run() {
+  std::vector<std::shared_ptr<Session>> mine;
+  uint64_t seen = UINT64_MAX;
+  uint64_t idle_since = monotonic_ns();
+  while (running_.load(std::memory_order_relaxed)) {
+    {
+      std::lock_guard lock(mutex_);
+      if (version_ != seen) mine = sessions_, seen = version_;
+    }
+    bool work = false;
+    for (auto& s : mine) {
+      if (!s->opened() || s->broken()) continue;
+      std::lock_guard lock(s->mutex());
+      work = s->host().progress_locked(monotonic_ns()) || work;
+      s->notify_client_locked();
+    }
+    const uint64_t now = monotonic_ns();
+    if (work) {
+      idle_since = now;
+      continue;
+    }
+    // Busy polling is the default (a SmartNIC core does nothing else), but
+    // a shard with no context to serve sleeps whatever the policy.
+    if (mine.empty() || (!options_.busy_poll && now - idle_since >= options_.spin_ns)) {
+      sleep(mine);
+      idle_since = monotonic_ns();
+    }
+  }
+}
+
+void Shard::sleep(std::vector<std::shared_ptr<Session>>& sessions) {
+  // Announce the sleep in every area, then look at the rings once more: a
+  // client posting meanwhile sees the announcement and rings the doorbell.
+  std::vector<pollfd> fds;
+  fds.push_back({wake_fd_, POLLIN, 0});
+  uint64_t wake = UINT64_MAX;
+  const uint64_t now = monotonic_ns();
+  bool pending = false;
+  for (auto& s : sessions) {
+    if (!s->opened() || s->broken()) continue;
+    s->area()->daemon_sleeping.value.store(1, std::memory_order_seq_cst);
+    if (s->submissions_waiting()) pending = true;
+    std::lock_guard lock(s->mutex());
+    wake = std::min(wake, s->host().next_wakeup_locked(now));
+    fds.push_back({s->host().fd(), POLLIN, 0});
+    fds.push_back({s->doorbell_fd(), POLLIN, 0});
+  }
+  if (!pending && wake > now) {
+    const uint64_t sleep_ns = std::min<uint64_t>(wake - now, 100'000'000);
+    const timespec timeout{time_t(sleep_ns / 1'000'000'000), long(sleep_ns % 1'000'000'000)};
+    ::ppoll(fds.data(), fds.size(), &timeout, nullptr);
+  }
+  for (auto& s : sessions)
+    if (s->opened()) s->area()->daemon_sleeping.value.store(0, std::memory_order_relaxed);
+  uint64_t v;
+  for (size_t i = 0; i < fds.size(); ++i)
+    if (i == 0 || i % 2 == 0)  // the wake fd and the doorbells (eventfds); sockets are read by progress
+      if (fds[i].revents & POLLIN) [[maybe_unused]] ssize_t r = ::read(fds[i].fd, &v, sizeof v);
+}
+
+// ---------------------------------------------------------------------------
+
+Daemon::Daemon(DaemonOptions options) : options_(std::move(options)), stats_(std::make_unique<Stats>()) {}
+
+Daemon::~Daemon() {
+  for (auto& shard : shards_) shard->stop();
+  sessions_.clear();
+  if (listen_fd_ >= 0) {
+    ::close(listen_fd_);
+    ::unlink(options_.socket_path.c_str());
+  }
+  if (stop_fd_ >= 0) ::close(stop_fd_);
+}
+
+std::optional<std::string> Daemon::start() {
+  sockaddr_un address{};
+  address.sun_family = AF_UNIX;
+  if (options_.socket_path.empty() || options_.socket_path.size() >= sizeof address.sun_path)
+    return "socket path empty or longer than " + std::to_string(sizeof address.sun_path - 1) + " bytes";
+  std::memcpy(address.sun_path, options_.socket_path.data(), options_.socket_path.size());
+  if (options_.cores == 0 || options_.cores > 256) return std::string("--cores must be in [1, 256]");
+  // A socket file nobody answers on is a dead daemon's: replace it. One
+  // somebody answers on is a live daemon's: leave it alone.
+  const int probe = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  if (::connect(probe, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0) {
+    ::close(probe);
+    return "another stellar-engined serves " + options_.socket_path;
+  }
+  ::close(probe);
+  ::unlink(options_.socket_path.c_str());
+  listen_fd_ = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (listen_fd_ < 0) return std::string("socket: ") + std::strerror(errno);
+  if (::bind(listen_fd_, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0)
+    return "bind " + options_.socket_path + ": " + std::strerror(errno);
+  // Anyone may connect; the allow-list decides who is served.
+  ::chmod(options_.socket_path.c_str(), 0666);
+  if (::listen(listen_fd_, 64) != 0) return std::string("listen: ") + std::strerror(errno);
+  stop_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  return std::nullopt;
+}
+
+void Daemon::run() {
+  // Threads start here, not in start(): a daemon that detaches (fork) in
+  // between keeps only the thread that forked.
+  for (unsigned i = 0; i < options_.cores; ++i) {
+    shards_.push_back(std::make_unique<Shard>(options_, i));
+    shards_.back()->start();
+  }
+  say("serving %s with %u shard thread%s, %s", options_.socket_path.c_str(), options_.cores, options_.cores == 1 ? "" : "s",
+      options_.busy_poll ? "busy polling" : "adaptive wait");
+  serve_clients();
+}
+
+void Daemon::stop() {
+  const uint64_t one = 1;
+  [[maybe_unused]] ssize_t r = ::write(stop_fd_, &one, sizeof one);
+}
+
+bool Daemon::allowed(uid_t uid, gid_t gid) const {
+  if (options_.allow_uids.empty() && options_.allow_gids.empty()) return uid == 0 || uid == ::geteuid();
+  return std::find(options_.allow_uids.begin(), options_.allow_uids.end(), uid) != options_.allow_uids.end() ||
+         std::find(options_.allow_gids.begin(), options_.allow_gids.end(), gid) != options_.allow_gids.end();
+}
+
+void Daemon::accept_client() {
+  const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+  if (fd < 0) return;
+  ucred cred{};
+  socklen_t length = sizeof cred;
+  if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &length) != 0 || !allowed(cred.uid, cred.gid)) {
+    // Told why, then closed: a refused client gets an error, not a hang.
+    Reply r;
+    r.h = {uint32_t(MessageType::reply), sizeof r};
+    r.denied = 1;
+    std::snprintf(r.message, sizeof r.message,
+                  "uid %d gid %d is not allowed to use this engine daemon (its --allow-uid/--allow-gid list)", int(cred.uid),
+                  int(cred.gid));
+    send_message(fd, &r, sizeof r);
+    if (refused_clients_++ < 16) say("refused pid %d uid %d gid %d (not in the allow-list)", int(cred.pid), int(cred.uid), int(cred.gid));
+    ::close(fd);
+    return;
+  }
+  auto session = std::make_shared<Session>(fd, cred, *stats_);
+  sessions_.push_back(session);
+  // The least loaded shard takes it.
+  Shard* best = shards_[next_shard_++ % shards_.size()].get();
+  for (auto& s : shards_)
+    if (s->size() < best->size()) best = s.get();
+  best->add(session);
+}
+
+void Daemon::close_session(size_t index) {
+  std::shared_ptr<Session> s = sessions_[index];
+  sessions_.erase(sessions_.begin() + long(index));
+  for (auto& shard : shards_) shard->remove(s.get());
+  s->teardown();
+  say("client pid %d: gone; its QPs flushed and freed, its memory unmapped", int(s->credentials().pid));
+}
+
+void Daemon::serve_clients() {
+  std::vector<uint8_t> buffer(max_message_bytes);
+  std::vector<int> fds;
+  for (;;) {
+    std::vector<pollfd> polled{{stop_fd_, POLLIN, 0}, {listen_fd_, POLLIN, 0}};
+    for (auto& s : sessions_) polled.push_back({s->socket(), POLLIN, 0});
+    if (::poll(polled.data(), polled.size(), 1000) < 0 && errno != EINTR) break;
+    if (polled[0].revents & POLLIN) break;
+    if (polled[1].revents & POLLIN) accept_client();
+    // Back to front: closing a session shifts the ones behind it.
+    for (size_t i = polled.size() - 1; i >= 2; --i) {
+      const size_t index = i - 2;
+      if (!polled[i].revents) continue;
+      Session& s = *sessions_[index];
+      bool keep = !s.broken();
+      if (keep && (polled[i].revents & POLLIN)) {
+        const long n = receive_message(s.socket(), buffer.data(), buffer.size(), fds, max_message_fds, 0);
+        if (n <= 0) {
+          keep = n < 0 && errno == EMSGSIZE ? s.handle(buffer.data(), 0, fds) : false;
+        } else {
+          keep = s.handle(buffer.data(), n, fds);
+        }
+      } else if (polled[i].revents & (POLLHUP | POLLERR)) {
+        keep = false;
+      }
+      if (!keep) close_session(index);
+    }
+  }
+  while (!sessions_.empty()) close_session(sessions_.size() - 1);
+  say("stopped");
+}
+
+}  // namespace stellar::engined

@@ -1,0 +1,74 @@
+// stellar-engined: the engine daemon (the SmartNIC placement of the offload
+// engine, docs/engine-daemon.md). It hosts, for every application context
+// attached to it, an EngineHost (the UDP socket, the engines of the
+// context's QPs, their timers), the same code the inline and engine-thread
+// placements run inside the application.
+//
+// Threads: one control thread (run(): accepts clients on the Unix socket,
+// checks their credentials, answers their requests) and `cores` shard
+// threads, each progressing the contexts assigned to it (a context's QPs
+// stay on one shard). A context's mutex serialises the two.
+//
+// Trust: a client is checked once (SO_PEERCRED against the allow-list);
+// after that everything it sends, on the socket or in its rings, is checked
+// before use, and a client can name only its own engines and memory.
+#pragma once
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace stellar::engined {
+
+struct DaemonOptions {
+  std::string socket_path;
+  unsigned cores = 1;           // shard threads
+  bool busy_poll = true;        // shards spin; false: spin `spin_ns`, then sleep until a packet, doorbell or timer
+  uint64_t spin_ns = 50'000;
+  std::vector<uid_t> allow_uids;  // empty with empty allow_gids: the daemon's own uid and root
+  std::vector<gid_t> allow_gids;
+};
+
+class Shard;
+class Session;
+struct Stats;
+
+class Daemon {
+ public:
+  explicit Daemon(DaemonOptions);
+  ~Daemon();
+  Daemon(const Daemon&) = delete;
+  Daemon& operator=(const Daemon&) = delete;
+
+  // Binds and listens on the socket (a stale socket file is replaced, a live
+  // daemon's is not). An error message on failure.
+  std::optional<std::string> start();
+  // Starts the shards and serves until stop(); then closes every session.
+  // The destructor removes the socket.
+  void run();
+  // Async-signal-safe.
+  void stop();
+
+ private:
+  bool allowed(uid_t, gid_t) const;
+  void serve_clients();
+  void accept_client();
+  void close_session(size_t index);
+
+  DaemonOptions options_;
+  int listen_fd_ = -1, stop_fd_ = -1;
+  std::unique_ptr<Stats> stats_;  // before shards and sessions: sessions count themselves out in it
+  std::vector<std::unique_ptr<Shard>> shards_;
+  std::vector<std::shared_ptr<Session>> sessions_;
+  size_t next_shard_ = 0;
+  uint64_t refused_clients_ = 0;
+};
+
+}  // namespace stellar::engined

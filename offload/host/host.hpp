@@ -1,0 +1,152 @@
+// What the application side of the soft provider reaches engines through:
+// one interface, three placements (docs/design.md, "Engine placement").
+//
+//   inline  EngineHost in the application, progressed by the caller's poll
+//   thread  EngineHost in the application, progressed by its engine thread
+//   daemon  RemoteHost: the EngineHost runs in stellar-engined (offload/daemon),
+//           reached over a Unix socket (control) and shared-memory rings (data)
+//
+// The placement decides only where the host runs and how the API side talks
+// to it; the engines, the socket, the timers and the progress loop are the
+// same code (EngineHost) in all three.
+//
+// Locking: as EngineHost's. Members marked "locked" expect the caller to hold
+// the application side's mutex (the one the host was constructed with).
+#pragma once
+
+#include <netinet/in.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "host/fault_filter.hpp"
+#include "host/udp_socket.hpp"
+#include "stellar/offload/engine.hpp"
+
+namespace stellar::host {
+
+// CLOCK_MONOTONIC in nanoseconds: the clock engines run on.
+uint64_t monotonic_ns();
+
+struct HostOptions {
+  std::string bind_address = "127.0.0.1";
+  uint16_t udp_port = 0;  // 0: any free port (roce mode tries 4791 first)
+  offload::Mode mode = offload::Mode::stellar;
+  uint32_t mtu = 4096;    // payload bytes per packet (sizes the batches)
+  FaultOptions faults;
+  bool engine_thread = false;  // progress on a thread of the host's (else the caller's)
+  bool adaptive_wait = false;  // the thread sleeps after spinning `spin_ns` without work
+  uint64_t spin_ns = 0;
+  std::string daemon_socket;   // RemoteHost: the daemon's Unix socket
+};
+
+struct HostCounters {
+  offload::EngineCounters engines;  // attached engines and every detached one
+  uint64_t malformed = 0;           // too short for a destination
+  uint64_t unknown_qp = 0;          // no engine at (pkey, QPN), or not from its peer
+  uint64_t send_errors = 0, receive_calls = 0, coalesced = 0;
+  FaultCounters faults;
+  // Daemon placement only: ring entries the daemon refused (forged handles,
+  // bad segments).
+  uint64_t refused_entries = 0;
+  // CPU time (user + system, ns) where the engines run off the caller's
+  // threads: the engine thread's, or the daemon process's. 0 inline.
+  uint64_t engine_cpu_ns = 0;
+};
+
+// What the host calls back on the application side, under the lock.
+class HostClient {
+ public:
+  virtual ~HostClient() = default;
+  // At the start of every progress round: application-side work that feeds
+  // engines or drains completions (GPU staging, held completions).
+  virtual void on_progress_locked(uint64_t now_ns) = 0;
+  // When that work wants to run again without new input; UINT64_MAX: never.
+  virtual uint64_t next_wakeup_locked(uint64_t now_ns) = 0;
+};
+
+// A registered memory region as the daemon needs it to resolve keys itself
+// (the in-process host resolves them through the QP's MemoryAccess instead).
+struct MemoryRegistration {
+  uint32_t pd = 0;  // the application side's protection-domain id
+  uint32_t lkey = 0, rkey = 0;
+  uint32_t access = 0;  // offload::access_* bits
+  uint64_t address = 0, length = 0;
+};
+
+// What the daemon needs of a QP to check remote access the way the
+// application side's SoftQp::resolve does.
+struct QpBinding {
+  uint32_t pd = 0;
+  uint32_t access = 0;  // the QP's remote access flags (modify to INIT)
+};
+
+class Host {
+ public:
+  struct Engine {  // one attached engine: an opaque handle
+    virtual ~Engine() = default;
+  };
+
+  virtual ~Host() = default;
+
+  // Opens the socket (or attaches to the daemon); nullopt on success.
+  virtual std::optional<SocketError> open(const HostOptions&) = 0;
+  // Starts the engine thread when HostOptions::engine_thread asks for one.
+  virtual void start() = 0;
+  // Stops and joins the engine thread (idempotent; without the lock).
+  virtual void stop() = 0;
+
+  // Readable when there is progress to make (datagrams, or completions from
+  // the daemon).
+  virtual int fd() const = 0;
+  virtual const sockaddr_in& local() const = 0;
+  virtual bool gso() const = 0;
+  virtual bool gro() const = 0;
+  virtual const char* placement() const = 0;  // "inline", "engine-thread", "daemon"
+
+  // ---- under the lock ----
+  // Memory the daemon may touch; the in-process host needs nothing (the QP
+  // resolves keys). An error message on failure.
+  virtual std::optional<std::string> register_memory_locked(const MemoryRegistration&) { return std::nullopt; }
+  virtual void deregister_memory_locked(uint32_t /*lkey*/) {}
+
+  // Creates the engine of QP `qpn` in partition `pkey`, talking to `peer`
+  // (the host fills the config's ICRC addresses); datagrams for (pkey, qpn)
+  // from `peer` go to it from now on. The references must outlive it.
+  // nullptr, with `error` set, if it cannot (the daemon is gone).
+  virtual Engine* attach_locked(const offload::EngineConfig&, const sockaddr_in& peer, const QpBinding&,
+                                offload::MemoryAccess&, offload::CompletionSink&, std::string& error) = 0;
+  // Sends its held-back acknowledgement, keeps its counters, destroys it.
+  virtual void detach_locked(Engine*) = 0;
+  virtual offload::PostResult post_send_locked(Engine*, const offload::SendWork&, uint64_t now_ns) = 0;
+  virtual offload::PostResult post_receive_locked(Engine*, const offload::ReceiveWork&) = 0;
+  virtual bool set_ready_locked(Engine*, uint64_t wr_id, uint32_t bytes) = 0;  // QpEngine::set_ready
+  virtual void enter_error_locked(Engine*) = 0;
+  virtual bool in_error_locked(const Engine*) const = 0;
+  // Work requests posted and not yet completed (the daemon placement counts
+  // an unsignaled send until a later completion shows it done, as verbs do).
+  virtual uint32_t outstanding_sends_locked(const Engine*) const = 0;
+  virtual uint32_t outstanding_receives_locked(const Engine*) const = 0;
+  // Work was posted to `engine`: inline progress transmits it now, the
+  // engine thread or the daemon is woken.
+  virtual void posted_locked(Engine*, uint64_t now_ns) = 0;
+
+  // Receive, run timers, transmit (or: take the daemon's completions).
+  // True if anything happened.
+  virtual bool progress_locked(uint64_t now_ns) = 0;
+  // Every engine sends its held-back acknowledgement now.
+  virtual void flush_acknowledgements_locked(uint64_t now_ns) = 0;
+  // The earliest timer across engines and the client; UINT64_MAX: none.
+  virtual uint64_t next_wakeup_locked(uint64_t now_ns) = 0;
+  virtual HostCounters counters_locked() const = 0;
+
+  // ---- without the lock ----
+  // Wakes the engine thread (or a sleep_until_work).
+  virtual void kick() = 0;
+  // Blocks in the kernel until there is progress to make, a kick, `extra_fd`
+  // is readable, or the next timer (at most until `limit_ns`).
+  virtual void sleep_until_work(uint64_t limit_ns, int extra_fd) = 0;
+};
+
+}  // namespace stellar::host
