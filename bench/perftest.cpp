@@ -22,6 +22,7 @@
 #include <fstream>
 #include <vector>
 
+#include "cpu_accounting.hpp"
 #include "stellar/stellar.hpp"
 
 #ifndef STELLAR_PERFTEST_OP
@@ -510,14 +511,20 @@ int main(int argc, char** argv) {
     else
       std::printf(" #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    t_avg[usec]    t_stdev[usec]   99%% percentile[usec]   99.9%% percentile[usec]\n");
   }
+  // CPU time of this process and of the engines, over the measured runs.
+  const accounting::CpuSample cpu_from = accounting::sample(*side.ctx);
+  double moved_bytes = 0, operations = 0;
   if (passive_server) {  // one-sided traffic, or SEND bandwidth (receives are reposted as they complete)
     serve_until_done(side);
+    accounting::print(stdout, *side.ctx, cpu_from, accounting::sample(*side.ctx), 0, 0);
     if (o.counters) print_counters(side.ctx->counters());
     return 0;
   }
   for (uint64_t size : sizes_of(o)) {
     if (bandwidth_test) {
       BandwidthRow r = bandwidth_run(side, size);
+      moved_bytes += double(r.bytes) * double(r.iterations);
+      operations += double(r.iterations);
       const double scale = o.report_gbits ? double(1 << 20) * 8 / 1e9 : 1.0;
       std::printf(" %-10llu %-14llu %-19.2f %-21.2f %.6f\n", (unsigned long long)r.bytes, (unsigned long long)r.iterations,
                   r.peak_mib * scale, r.avg_mib * scale, r.msg_rate_mpps);
@@ -525,6 +532,8 @@ int main(int argc, char** argv) {
                          {"msg_rate_mpps", r.msg_rate_mpps}});
     } else {
       std::vector<double> t = latency_run(side, size);
+      moved_bytes += double(size) * double(t.size());
+      operations += double(t.size());
       if (client) {
         LatencyRow r = summarize(size, std::move(t));
         std::printf(" %-7llu %-10zu %-14.2f %-14.2f %-16.2f %-14.2f %-15.2f %-22.2f %.2f\n", (unsigned long long)r.bytes, r.iterations,
@@ -536,16 +545,24 @@ int main(int argc, char** argv) {
     }
     std::fflush(stdout);
   }
+  const accounting::CpuSample cpu_to = accounting::sample(*side.ctx);
   if (client) {
     std::printf("---------------------------------------------------------------------------------------\n");
+    accounting::print(stdout, *side.ctx, cpu_from, cpu_to, moved_bytes, operations);
     send_done(side, *side.qps[0]);
     if (!o.out_json.empty()) {
+      nlohmann::json cpu{{"placement", to_string(side.ctx->options().progress)},
+                         {"application_s", double(cpu_to.process_ns - cpu_from.process_ns) / 1e9},
+                         {"engine_s", double(cpu_to.engine_ns - cpu_from.engine_ns) / 1e9},
+                         {"bytes", moved_bytes},
+                         {"operations", operations}};
       nlohmann::json doc{{"test", std::string(op_name()) + (bandwidth_test ? " BW" : " latency")}, {"provider", o.provider},
-                         {"mode", o.mode}, {"qps", o.qps}, {"mtu", o.mtu}, {"results", results}};
+                         {"mode", o.mode}, {"qps", o.qps}, {"mtu", o.mtu}, {"results", results}, {"cpu", cpu}};
       std::ofstream(o.out_json) << doc.dump(2) << "\n";
     }
   } else {
     serve_until_done(side);  // write/send latency servers: wait for the final marker
+    accounting::print(stdout, *side.ctx, cpu_from, accounting::sample(*side.ctx), moved_bytes, operations);
   }
   if (o.counters) print_counters(side.ctx->counters());
   return 0;

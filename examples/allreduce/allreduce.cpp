@@ -25,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include "cpu_accounting.hpp"
 #include "stellar/coll.hpp"
 
 using namespace stellar;
@@ -203,6 +204,8 @@ int run_rank(const Options& o, CommunicatorOptions co) {
     std::printf("#        (B)    (elements)                       (us)  (GB/s)  (GB/s)            (us)  (GB/s)  (GB/s)       \n");
     std::fflush(stdout);
   }
+  const accounting::CpuSample cpu_from = accounting::sample(comm.counters().transport.engine_cpu_ns);
+  double reduced_bytes = 0, calls = 0;  // per allreduce call: its buffer's bytes
   std::vector<uint8_t> send, recv;
   double busbw_sum = 0;
   int results = 0;
@@ -217,6 +220,8 @@ int run_rank(const Options& o, CommunicatorOptions co) {
         recv.assign(real + 64, 0);
         Measured out_of_place = measure(comm, o, t, op, count, false, send, recv);
         Measured in_place = measure(comm, o, t, op, count, true, send, recv);
+        calls += 2.0 * (o.warmup + o.iterations);
+        reduced_bytes += 2.0 * (o.warmup + o.iterations) * double(real);
         if (root) {
           auto bw = [&](double us) { return us > 0 ? double(real) / (us * 1e-6) / 1e9 : 0.0; };
           const double a1 = bw(out_of_place.time_us), a2 = bw(in_place.time_us);
@@ -236,9 +241,14 @@ int run_rank(const Options& o, CommunicatorOptions co) {
   }
   if (root) {
     std::printf("# Out of bounds values : %lld %s\n", (long long)wrong_total, wrong_total ? "FAILED" : "OK");
-    std::printf("# Avg bus bandwidth    : %g \n#\n", results ? busbw_sum / results : 0.0);
-    std::fflush(stdout);
+    std::printf("# Avg bus bandwidth    : %g \n", results ? busbw_sum / results : 0.0);
   }
+  // Every rank's own CPU (rank 0 prints first): per GB of buffer reduced and per allreduce call.
+  const CommunicatorCounters after = comm.counters();
+  const std::string who = "rank " + std::to_string(comm.rank());
+  accounting::print(stdout, after.placement, cpu_from, accounting::sample(after.transport.engine_cpu_ns), reduced_bytes, calls, who.c_str());
+  if (root) std::printf("#\n");
+  std::fflush(stdout);
   if (o.verbose) {
     const CommunicatorCounters c = comm.counters();
     std::fprintf(stderr, "# rank %d: %llu calls, %llu messages, %llu bytes sent; transport: %llu packets sent, %llu retransmitted, %llu timeouts, %llu tail probes, %llu duplicates received, %llu send errors\n",

@@ -23,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "cpu_accounting.hpp"
 #include "stellar/stellar.hpp"
 
 using namespace stellar;
@@ -219,6 +220,8 @@ int main(int argc, char** argv) {
     std::printf(" #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    t_avg[usec]    t_stdev[usec]   99%% percentile[usec]   99.9%% percentile[usec]\n");
   }
   const uint32_t total = o.warmup + o.iterations;
+  const accounting::CpuSample cpu_from = accounting::sample(*context);
+  double moved_bytes = 0, round_trips = 0;
   for (const uint32_t size : sizes) {
     // Messages up to one MTU: the last byte's marker says the message landed
     // (sizes only grow, so that byte was never written before). Larger ones
@@ -270,6 +273,8 @@ int main(int argc, char** argv) {
       }
     }
     if (!is_server) print_row(size, rtt_us);
+    moved_bytes += 2.0 * size * total;  // both directions
+    round_trips += total;
   }
   // Our last message must reach the peer before we exit (a send completes
   // when the peer acknowledged it; a large one under loss takes a while),
@@ -294,5 +299,6 @@ int main(int argc, char** argv) {
                 (unsigned long long)c.timeouts, (unsigned long long)c.fault_dropped, (unsigned long long)c.fault_duplicated,
                 (unsigned long long)c.fault_reordered);
   }
+  accounting::print(stdout, *context, cpu_from, accounting::sample(*context), moved_bytes, round_trips);
   return 0;
 }

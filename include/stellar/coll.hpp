@@ -93,6 +93,7 @@ struct CommunicatorCounters {
   uint64_t bytes_sent = 0;      // payload bytes this rank wrote to peers
   uint64_t messages_sent = 0;   // data messages (credits not counted)
   ContextCounters transport{};  // the provider's counters (drops, retransmissions, ...)
+  ProgressMode placement = ProgressMode::inline_poll;  // where the engines run (after STELLAR_ENGINE)
 };
 
 class Communicator {

@@ -272,7 +272,10 @@ class Comm final : public Communicator {
   Status barrier() override;
   CommunicatorCounters counters() const override {
     CommunicatorCounters c = counters_;
-    if (context_) c.transport = context_->counters();
+    if (context_) {
+      c.transport = context_->counters();
+      c.placement = context_->options().progress;
+    }
     return c;
   }
 
