@@ -19,6 +19,8 @@ echo "=== aarch64 (SmartNIC cores): offload/ cross-built, the engine's unit test
 cmake -S . -B build-test-aarch64 -G Ninja -DCMAKE_TOOLCHAIN_FILE=cmake/aarch64-linux-gnu.cmake -DSTELLAR_OFFLOAD_ONLY=ON > /dev/null
 ninja -C build-test-aarch64 -j"$jobs"
 (cd build-test-aarch64 && ctest --output-on-failure -j1 --timeout 600)
+echo "=== aarch64 stellar-engined under qemu-user serving the x86-64 stellar_pingpong ==="
+tests/integration/engined_aarch64_test.sh build-test-aarch64/stellar-engined build-test-release/examples/stellar_pingpong
 echo "=== libFuzzer: 45 s on the packet decoders and the engine's receive path ==="
 mkdir -p build-fuzz
 # Every engine source (the glob keeps up with the engine's units).
