@@ -156,10 +156,11 @@ bool RemoteHost::call_locked(const void* request, size_t length, Reply& reply, s
       refusal.message[sizeof refusal.message - 1] = 0;
       error = std::string("stellar-engined: ") + refusal.message;
       denied_ = refusal.denied == 1;
-    } else {
-      error = "stellar-engined at " + path_ + " is gone (" + why + ")";
+      dead_ = true;  // refused, not gone: the caller reports it
+      return false;
     }
-    daemon_died_locked(error);
+    error = "stellar-engined at " + path_ + " is gone (" + why + ")";
+    daemon_died_locked(why);
     return false;
   }
   std::vector<int> received;

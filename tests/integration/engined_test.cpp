@@ -19,6 +19,8 @@
 
 #include <chrono>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <new>
 #include <string>
 #include <thread>
@@ -80,9 +82,17 @@ class Engined {
     int status = 0;
     ::waitpid(pid_, &status, 0);
     pid_ = -1;
+    // SIGTERM is a clean stop: exit status 0 (the sanitizer build's leak check runs then).
+    if (signal == SIGTERM) {
+      EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "stellar-engined status " << status << "; its log:\n" << log();
+    }
   }
   bool alive() const { return pid_ > 0 && ::kill(pid_, 0) == 0 && ::waitpid(pid_, nullptr, WNOHANG) == 0; }
   const std::string& socket() const { return socket_; }
+  std::string log() const {
+    std::ifstream in(log_);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  }
 
   ContextOptions options(Mode mode = Mode::stellar) const {
     ContextOptions o;
