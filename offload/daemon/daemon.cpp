@@ -7,6 +7,7 @@
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
 #include <sys/un.h>
@@ -52,11 +53,68 @@ uint64_t process_cpu_ns() {
   return ns(u.ru_utime) + ns(u.ru_stime);
 }
 
-bool is_eventfd(int fd) {
-  char path[64], target[64] = {};
-  std::snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
-  const ssize_t n = ::readlink(path, target, sizeof target - 1);
-  return n > 0 && std::strcmp(target, "anon_inode:[eventfd]") == 0;
+// The client's end of the bells must be a Unix datagram socket: we only
+// ever send and receive on it with MSG_DONTWAIT, so nothing the client does
+// to it can block us.
+bool is_unix_datagram(int fd) {
+  int domain = 0, type = 0;
+  socklen_t n = sizeof domain;
+  if (::getsockopt(fd, SOL_SOCKET, SO_DOMAIN, &domain, &n) != 0) return false;
+  n = sizeof type;
+  return ::getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &n) == 0 && domain == AF_UNIX && type == SOCK_DGRAM;
+}
+
+#ifndef SO_PEERPIDFD
+#define SO_PEERPIDFD 77  // Linux 6.5; older kernels answer ENOPROTOOPT and we fall back to pidfd_open
+#endif
+
+// A pidfd of the process that connected: SO_PEERPIDFD names exactly that
+// process; pidfd_open by its pid is the fallback (the pid of SO_PEERCRED,
+// which is that process while the connection's other end is still open).
+// -1 where neither exists (qemu-user, old kernels).
+int peer_pidfd(int socket, pid_t pid) {
+  int fd = -1;
+  socklen_t n = sizeof fd;
+  if (::getsockopt(socket, SOL_SOCKET, SO_PEERPIDFD, &fd, &n) == 0 && fd >= 0) return fd;
+#ifdef SYS_pidfd_open
+  fd = int(::syscall(SYS_pidfd_open, pid, 0));
+  if (fd >= 0) ::fcntl(fd, F_SETFD, FD_CLOEXEC);
+  return fd;
+#else
+  (void)pid;
+  return -1;
+#endif
+}
+
+// Whether the process behind `pidfd` has exited (a pidfd polls readable then).
+bool exited(int pidfd) {
+  if (pidfd < 0) return false;
+  pollfd p{pidfd, POLLIN, 0};
+  return ::poll(&p, 1, 0) > 0;
+}
+
+// Whether every uid (real, effective, saved, filesystem) of process `pid`
+// is `uid` and every gid is `gid`: the process that connected has not
+// become a set-user-ID or set-group-ID program since (exec), whose memory
+// its user must not reach through us.
+bool same_identity(pid_t pid, uid_t uid, gid_t gid) {
+  char path[64];
+  std::snprintf(path, sizeof path, "/proc/%d/status", int(pid));
+  FILE* f = std::fopen(path, "re");
+  if (!f) return false;
+  char line[256];
+  int matched = 0;
+  while (std::fgets(line, sizeof line, f)) {
+    unsigned long a, b, c, d;
+    const bool is_uid = std::strncmp(line, "Uid:", 4) == 0, is_gid = std::strncmp(line, "Gid:", 4) == 0;
+    if (!is_uid && !is_gid) continue;
+    if (std::sscanf(line + 4, "%lu %lu %lu %lu", &a, &b, &c, &d) != 4) break;
+    const unsigned long want = is_uid ? uid : gid;
+    if (a != want || b != want || c != want || d != want) break;
+    ++matched;
+  }
+  std::fclose(f);
+  return matched == 2;
 }
 
 // A memfd the client cannot shrink under our mapping (a shrunk file would
@@ -94,10 +152,11 @@ class Session final : public HostClient {
 
   // One QP's engine: its memory is the session's, checked as the
   // application side's SoftQp checks it, and reached in the client's process
-  // (process_vm_readv/writev); its completions go to the ring.
+  // (/proc/PID/mem); its completions go to the ring.
   struct Qp final : off::MemoryAccess, off::CompletionSink {
     Session& s;
     uint32_t handle = 0, pd = 0, access = 0;
+    uint32_t max_send_wr = 0, max_recv_wr = 0;
     uint64_t key = 0;  // pkey << 32 | qpn
     Host::Engine* engine = nullptr;
     // WRs the engine had no room for (its PSN space: a quarter in flight),
@@ -142,43 +201,27 @@ class Session final : public HostClient {
     }
   };
 
-  Session(int socket, ucred credentials, Stats& stats)
-      : socket_(socket), credentials_(credentials), stats_(stats), host_(mutex_, *this) {
+  Session(int socket, ucred credentials, int pidfd, const DaemonOptions& options, Stats& stats)
+      : socket_(socket), credentials_(credentials), pidfd_(pidfd), options_(options), stats_(stats), host_(mutex_, *this) {
     ++stats_.sessions;
   }
   ~Session() override {
     --stats_.sessions;
     if (area_memory_) ::munmap(area_memory_, area_bytes_);
-    for (int fd : {socket_, doorbell_fd_, wake_fd_, mem_fd_})
+    for (int fd : {socket_, bell_fd_, mem_fd_, pidfd_})
       if (fd >= 0) ::close(fd);
   }
 
   // Copies between our buffer and the client's memory (a NIC's DMA): one
-  // process_vm_readv/writev. Only ranges the engine checked against a
-  // registration reach here. False if the client is gone or unmapped it.
+  // pread/pwrite on its /proc/PID/mem. Only ranges the engine checked
+  // against a registration reach here. False if the client is gone (or
+  // exec'd: the descriptor stays bound to the address space it was opened
+  // on) or unmapped the range.
   bool client_copy(void* ours, const uint8_t* theirs, size_t length, bool to_client) {
     ssize_t n = -1;
-    if (!proc_mem_) {
-      iovec local{ours, length};
-      iovec remote{const_cast<uint8_t*>(theirs), length};
-      n = to_client ? ::process_vm_writev(credentials_.pid, &local, 1, &remote, 1, 0)
-                    : ::process_vm_readv(credentials_.pid, &local, 1, &remote, 1, 0);
-      // Without these system calls (qemu-user has none; some seccomp
-      // profiles forbid them) /proc/PID/mem does the same under the same
-      // ptrace check, at one more copy inside the kernel.
-      if (n < 0 && errno == ENOSYS) {
-        proc_mem_ = true;
-        say("client pid %d: process_vm_readv/writev unavailable, using /proc/%d/mem", int(credentials_.pid), int(credentials_.pid));
-      }
-    }
-    if (proc_mem_) {
-      if (mem_fd_ < 0) {
-        char path[64];
-        std::snprintf(path, sizeof path, "/proc/%d/mem", int(credentials_.pid));
-        mem_fd_ = ::open(path, O_RDWR | O_CLOEXEC);
-      }
+    if (mem_fd_ >= 0) {
       const off_t at = off_t(reinterpret_cast<uintptr_t>(theirs));
-      n = mem_fd_ < 0 ? -1 : to_client ? ::pwrite(mem_fd_, ours, length, at) : ::pread(mem_fd_, ours, length, at);
+      n = to_client ? ::pwrite(mem_fd_, ours, length, at) : ::pread(mem_fd_, ours, length, at);
     }
     if (n == ssize_t(length)) return true;
     if (copy_failures_++ < 4)
@@ -192,24 +235,32 @@ class Session final : public HostClient {
   bool opened() const { return opened_.load(std::memory_order_acquire); }
   std::mutex& mutex() { return mutex_; }
   EngineHost& host() { return host_; }
-  int doorbell_fd() const { return doorbell_fd_; }
+  int bell_fd() const { return bell_fd_; }
+  // Where the shard that serves this session is woken (Shard::add).
+  void set_shard_wake(int fd) { shard_wake_fd_ = fd; }
   SharedArea* area() const { return area_; }
   bool broken() const { return broken_.load(std::memory_order_relaxed); }
 
-  // Handles one request from the client; false to end the session.
+  // Handles one request from the client and answers it (after the
+  // session's lock is released: the shard need not wait for the socket);
+  // false to end the session.
   bool handle(const uint8_t* message, long length, std::vector<int>& fds);
-  // The client is gone: its QPs are flushed and freed, their final
-  // acknowledgements sent, its memory unmapped (the destructor).
+  // The client is gone: its QPs are freed, each sending its final
+  // acknowledgement (the peer's last SEND completes there), and its memory
+  // is never touched again (the engines go; the destructor closes the
+  // /proc/PID/mem descriptor and unmaps the area). Its peers' later sends
+  // fail with retry_exceeded, as to a crashed host's.
   void teardown() {
     broken_.store(true);  // a shard still holding it skips it from now on
     std::lock_guard lock(mutex_);
     for (auto& [handle, qp] : qps_) {
-      host_.enter_error_locked(qp->engine);
       host_.detach_locked(qp->engine);
       --stats_.engines;
     }
     qps_.clear();
     engine_keys_.clear();
+    if (mem_fd_ >= 0) ::close(mem_fd_);
+    mem_fd_ = -1;
   }
 
   // ---- under the mutex ----
@@ -224,16 +275,29 @@ class Session final : public HostClient {
     if (area_->submit_tail.value.load(std::memory_order_acquire) != submit_head_) return now;
     return overflow_.empty() && !backlogged_ ? UINT64_MAX : now + 10'000;
   }
+  // Without the lock (a shard about to sleep): both indices from the area.
   bool submissions_waiting() const {
-    return area_ && area_->submit_tail.value.load(std::memory_order_seq_cst) != submit_head_;
+    return area_ && area_->submit_tail.value.load(std::memory_order_seq_cst) !=
+                        area_->submit_head.value.load(std::memory_order_relaxed);
   }
   // Wakes the client if it asked to be woken and got completions.
   void notify_client_locked() {
     if (!pushed_ || !area_) return;
     pushed_ = false;
+    // Dekker with the client's sleep: we published the tail, it announces
+    // its wait and then reads the tail. The fence orders our tail store
+    // before our load of its announcement, so one of us sees the other.
+    std::atomic_thread_fence(std::memory_order_seq_cst);
     if (area_->client_waiting.value.load(std::memory_order_seq_cst) || area_->client_events.value.load(std::memory_order_relaxed)) {
-      const uint64_t one = 1;
-      [[maybe_unused]] ssize_t r = ::write(wake_fd_, &one, sizeof one);
+      // Never blocks: a full buffer means the client has wake-ups unread.
+      const char bell = 'w';
+      [[maybe_unused]] ssize_t r = ::send(bell_fd_, &bell, 1, MSG_DONTWAIT | MSG_NOSIGNAL);
+    }
+  }
+  // Reads the doorbells that woke a sleeping shard.
+  void drain_doorbells() {
+    char bells[64];
+    while (bell_fd_ >= 0 && ::recv(bell_fd_, bells, sizeof bells, MSG_DONTWAIT) > 0) {
     }
   }
 
@@ -250,16 +314,31 @@ class Session final : public HostClient {
     }
     return r;
   }
-  bool answer(const Reply& r) { return send_message(socket_, &r, sizeof r); }
+  // Never waits: a client whose socket buffer is full of unread replies
+  // is not following the protocol, and its session ends.
+  bool answer(const Reply& r) { return send_message(socket_, &r, sizeof r, nullptr, 0, MSG_DONTWAIT); }
 
-  bool open(const OpenRequest&, std::vector<int>& fds);
+  Reply respond_locked(MessageType type, const uint8_t* message, size_t length);
+  Reply open_locked(const OpenRequest&, std::vector<int>& fds);
   Reply register_memory(const RegisterRequest&);
   Reply attach(const AttachRequest&);
+  bool reach_memory_locked(std::string& error);
 
   void push_completion(const CompletionEntry& e) {
-    pushed_ = true;
     if (overflow_.empty() && push_ring(e)) return;
-    overflow_.push_back(e);  // never lost: delivered in order once the client has polled
+    // Never lost: delivered in order once the client has polled. An honest
+    // client has at most one completion coming per WR it may have
+    // outstanding; past twice that (and the ring) it is not polling at all
+    // while it posts, and the session ends rather than the daemon's memory.
+    if (overflow_.size() >= 2 * completion_budget_ + completion_capacity_) {
+      if (!broken()) {
+        say("client pid %d: %zu completions unconsumed: session closed", int(credentials_.pid), overflow_.size());
+        broken_.store(true);
+        ::shutdown(socket_, SHUT_RDWR);
+      }
+      return;
+    }
+    overflow_.push_back(e);
   }
   bool push_ring(const CompletionEntry& e) {
     // The client's head is its word: a lie only loses its own completions.
@@ -268,6 +347,7 @@ class Session final : public HostClient {
     completions_[completion_tail_ & (completion_capacity_ - 1)] = e;
     ++completion_tail_;
     area_->completion_tail.value.store(completion_tail_, std::memory_order_release);
+    pushed_ = true;
     return true;
   }
   void flush_overflow_locked() {
@@ -294,6 +374,8 @@ class Session final : public HostClient {
 
   int socket_;
   ucred credentials_;
+  int pidfd_;  // the client process, or -1 (no pidfds here)
+  const DaemonOptions& options_;
   Stats& stats_;
   std::mutex mutex_;
   EngineHost host_;
@@ -304,8 +386,10 @@ class Session final : public HostClient {
   CompletionEntry* completions_ = nullptr;
   uint32_t submit_capacity_ = 0, completion_capacity_ = 0;
   uint64_t submit_head_ = 0, completion_tail_ = 0;
-  int doorbell_fd_ = -1, wake_fd_ = -1;
+  int bell_fd_ = -1;         // our end of the client's bell pair
+  int shard_wake_fd_ = -1;   // the serving shard's eventfd (ours to write, never the client's)
   uint32_t mtu_ = 0;
+  uint64_t completion_budget_ = 0;  // sum of the QPs' max_send_wr + max_recv_wr
   std::deque<CompletionEntry> overflow_;
   bool pushed_ = false;
   bool backlogged_ = false;
@@ -319,8 +403,7 @@ class Session final : public HostClient {
   uint32_t next_handle_ = 1;
   uint64_t refused_ = 0;
   uint64_t copy_failures_ = 0;
-  bool proc_mem_ = false;  // client_copy through /proc/PID/mem
-  int mem_fd_ = -1;
+  int mem_fd_ = -1;  // the client's /proc/PID/mem, opened at its first registration
 };
 
 void Session::drain_submissions_locked() {
@@ -417,8 +500,15 @@ void Session::submit_locked(const SubmitEntry& e) {
           w.segments[i] = off::Segment{reinterpret_cast<uint8_t*>(g.address), g.length, g.lkey};
         }
       }
-      // In order: behind WRs still waiting for room, or first in line.
-      if (!qp.backlog.empty() || !try_post_locked(qp, w)) enqueue_locked(qp, w);
+      // In order: behind WRs still waiting for room, or first in line. The
+      // backlog holds at most what the QP may have outstanding (the client
+      // counts that itself; one that does not is refused).
+      if (qp.backlog.empty() && try_post_locked(qp, w)) return;
+      if (qp.backlog.size() >= qp.max_send_wr) {
+        fail_locked(qp, w.wr_id, false, off::CompletionStatus::local_qp_operation_error, w.opcode);
+        return refuse_entry("more sends outstanding than the QP's max_send_wr");
+      }
+      enqueue_locked(qp, w);
       return;
     }
   }
@@ -459,21 +549,21 @@ void Session::retry_backlog_locked() {
   }
 }
 
-bool Session::open(const OpenRequest& r, std::vector<int>& fds) {
+Reply Session::open_locked(const OpenRequest& r, std::vector<int>& fds) {
   // A refused open is answered and the connection kept (the client closes it).
   auto refuse = [&](const char* why) {
     close_all(fds);
-    return answer(reply(false, "open: %s", why));
+    return reply(false, "open: %s", why);
   };
   if (area_) return refuse("this connection already has a context");
   if (r.magic != protocol_magic || r.version != protocol_version) return refuse("protocol version mismatch (library and daemon differ)");
-  if (fds.size() != 3) return refuse("expected the shared area memfd and two eventfds");
+  if (fds.size() != 2) return refuse("expected the shared area memfd and the daemon's end of the bell socket pair");
   const uint32_t sc = r.submit_capacity, cc = r.completion_capacity;
   if (sc < 16 || sc > 65536 || (sc & (sc - 1)) || cc < 16 || cc > (1u << 20) || (cc & (cc - 1)))
     return refuse("ring capacities must be powers of two in [16, 65536] and [16, 1048576]");
   const size_t bytes = area_bytes(sc, cc);
   if (!sealed_memfd(fds[0], bytes)) return refuse("the shared area must be a memfd sealed against shrinking, of the rings' size");
-  if (!is_eventfd(fds[1]) || !is_eventfd(fds[2])) return refuse("doorbell and wake descriptors must be eventfds");
+  if (!is_unix_datagram(fds[1])) return refuse("the bell descriptor must be a Unix datagram socket");
   char address[sizeof r.bind_address + 1] = {};
   std::memcpy(address, r.bind_address, sizeof r.bind_address);
   auto bind = parse_ipv4(address, r.udp_port);
@@ -486,7 +576,6 @@ bool Session::open(const OpenRequest& r, std::vector<int>& fds) {
 
   void* memory = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[0], 0);
   if (memory == MAP_FAILED) return refuse("cannot map the shared area");
-  ::close(fds[0]);
   HostOptions h;
   h.bind_address = address;
   h.udp_port = r.udp_port;
@@ -495,11 +584,10 @@ bool Session::open(const OpenRequest& r, std::vector<int>& fds) {
   h.faults = FaultOptions{r.drop, r.duplicate, r.reorder, r.seed};
   if (auto error = host_.open(h)) {
     ::munmap(memory, bytes);
-    ::close(fds[1]);
-    ::close(fds[2]);
-    fds.clear();
-    return answer(reply(false, "open: %s", error->message.c_str()));
+    close_all(fds);
+    return reply(false, "open: %s", error->message.c_str());
   }
+  ::close(fds[0]);  // the mapping keeps the area
   area_memory_ = memory;
   area_bytes_ = bytes;
   area_ = static_cast<SharedArea*>(memory);
@@ -507,12 +595,11 @@ bool Session::open(const OpenRequest& r, std::vector<int>& fds) {
   completions_ = completion_ring(memory, sc);
   submit_capacity_ = sc;
   completion_capacity_ = cc;
-  // Our indices start where the client's area says (a fresh area: 0); from
-  // here on only ours count.
+  // Our indices start at 0, whatever the client's area says; from here on
+  // only ours count.
   submit_head_ = 0;
   completion_tail_ = 0;
-  doorbell_fd_ = fds[1];
-  wake_fd_ = fds[2];
+  bell_fd_ = fds[1];
   fds.clear();
   mtu_ = r.mtu;
   opened_.store(true, std::memory_order_release);
@@ -524,7 +611,36 @@ bool Session::open(const OpenRequest& r, std::vector<int>& fds) {
   ok.daemon_pid = uint32_t(getpid());
   say("client pid %d uid %d: context on %s:%u (%s mode)", int(credentials_.pid), int(credentials_.uid), address,
       unsigned(ntohs(ok.local_port)), r.mode ? "roce" : "stellar");
-  return answer(ok);
+  return ok;
+}
+
+// Opens the client's /proc/PID/mem (once, at its first registration: the
+// client declares us its ptracer after the open's reply) and checks that
+// it is the process that connected, with the identity it connected with.
+// The descriptor is bound to that process's address space: if the client
+// later execs (a set-user-ID program, say) or exits and its pid is reused,
+// accesses through it fail instead of reaching the new program.
+bool Session::reach_memory_locked(std::string& error) {
+  if (mem_fd_ >= 0) return true;
+  const int pid = int(credentials_.pid);
+  char path[64];
+  std::snprintf(path, sizeof path, "/proc/%d/mem", pid);
+  const int fd = ::open(path, O_RDWR | O_CLOEXEC);
+  if (fd < 0) {
+    error = std::string("the daemon cannot open ") + path + " (" + std::strerror(errno) +
+            "): it needs ptrace access to the application (same user and Yama ptrace_scope <= 1, or CAP_SYS_PTRACE)";
+    return false;
+  }
+  // In this order: the identity is read after the descriptor is open, and
+  // the process is still alive after both, so both were of the process
+  // that connected (a pid is not reused while its process lives).
+  if (!same_identity(credentials_.pid, credentials_.uid, credentials_.gid) || exited(pidfd_)) {
+    ::close(fd);
+    error = "process " + std::to_string(pid) + " is no longer the one that connected, with the uid and gid it connected with";
+    return false;
+  }
+  mem_fd_ = fd;
+  return true;
 }
 
 Reply Session::register_memory(const RegisterRequest& r) {
@@ -535,16 +651,16 @@ Reply Session::register_memory(const RegisterRequest& r) {
       rkey_to_lkey_.count(r.lkey))
     return refuse("keys zero or already in use in this context");
   if (r.length > (uint64_t(1) << 47) || r.address + r.length < r.address) return refuse("range wraps or is too large");
+  if (mrs_.size() >= options_.max_regions_per_client)
+    return reply(false, "register_memory: this context has %zu regions, the daemon's limit (--max-regions)", mrs_.size());
+  std::string error;
+  if (!reach_memory_locked(error)) return reply(false, "register_memory: %s", error.c_str());
   if (r.length) {
-    // Reachable now, or the first packet would fail instead: the usual cause
-    // is ptrace permission (Yama, or a daemon of another user without
-    // CAP_SYS_PTRACE).
+    // Reachable now, or the first packet would fail instead.
     uint8_t probe;
     if (!client_copy(&probe, reinterpret_cast<const uint8_t*>(r.address), 1, false))
-      return reply(false,
-                   "register_memory: the daemon cannot read the region in process %d (%s): it needs ptrace access to the "
-                   "application (same user and Yama ptrace_scope <= 1, or CAP_SYS_PTRACE)",
-                   int(credentials_.pid), std::strerror(errno));
+      return reply(false, "register_memory: the daemon cannot read the region at 0x%llx in process %d (%s)",
+                   (unsigned long long)r.address, int(credentials_.pid), std::strerror(errno));
   }
   Mr m;
   m.pd = r.pd;
@@ -564,6 +680,8 @@ Reply Session::attach(const AttachRequest& r) {
   if (!config_from(r, mtu_, config, error)) return reply(false, "%s", error.c_str());
   const uint64_t key = uint64_t(config.pkey) << 32 | config.local_qpn;
   if (engine_keys_.count(key)) return reply(false, "attach: QP %u of partition %u is already attached", config.local_qpn, config.pkey);
+  if (qps_.size() >= options_.max_qps_per_client)
+    return reply(false, "attach: this context has %zu QPs, the daemon's limit (--max-qps)", qps_.size());
   const uint32_t ip = ntohl(r.peer_address);
   if (ip == 0 || ip == 0xffffffffu || (ip >> 28) == 0xe || r.peer_port == 0)
     return reply(false, "attach: the peer is not a unicast address and port");
@@ -575,10 +693,13 @@ Reply Session::attach(const AttachRequest& r) {
   qp->handle = next_handle_++;
   qp->pd = r.pd;
   qp->access = r.access;
+  qp->max_send_wr = config.max_send_wr;
+  qp->max_recv_wr = config.max_recv_wr;
   qp->key = key;
   std::string unused;
   qp->engine = host_.attach_locked(config, peer, QpBinding{r.pd, r.access}, *qp, *qp, unused);  // never fails in-process
   engine_keys_.insert(key);
+  completion_budget_ += uint64_t(config.max_send_wr) + config.max_recv_wr;
   ++stats_.engines;
   Reply ok = reply(true);
   ok.handle = qp->handle;
@@ -593,23 +714,42 @@ bool Session::handle(const uint8_t* message, long length, std::vector<int>& fds)
     return answer(reply(false, "malformed request"));
   }
   std::memcpy(&h, message, sizeof h);
-  auto sized = [&](size_t minimum, size_t maximum) { return h.length == size_t(length) && size_t(length) >= minimum && size_t(length) <= maximum; };
-  const MessageType type = MessageType(h.type);
-  if (type == MessageType::open) {
-    OpenRequest r;
-    if (!sized(sizeof r, sizeof r)) {
-      close_all(fds);
-      return answer(reply(false, "malformed open request"));
-    }
-    std::memcpy(&r, message, sizeof r);
-    std::lock_guard lock(mutex_);
-    return open(r, fds);
-  }
-  if (!area_) {
+  if (h.length != size_t(length)) {
     close_all(fds);
-    return answer(reply(false, "open a context first"));
+    return answer(reply(false, "malformed request (its length field says %u bytes, %ld arrived)", h.length, length));
   }
-  std::lock_guard lock(mutex_);
+  const MessageType type = MessageType(h.type);
+  Reply out;
+  bool opened_now = false;
+  {
+    std::lock_guard lock(mutex_);
+    if (type == MessageType::open) {
+      OpenRequest r;
+      if (size_t(length) != sizeof r) {
+        out = reply(false, "malformed open request");
+      } else {
+        std::memcpy(&r, message, sizeof r);
+        out = open_locked(r, fds);
+        opened_now = out.ok == 1;
+      }
+    } else if (!area_) {
+      out = reply(false, "open a context first");
+    } else {
+      out = respond_locked(type, message, size_t(length));
+    }
+    close_all(fds);  // only the open takes descriptors
+    notify_client_locked();
+  }
+  if (opened_now && shard_wake_fd_ >= 0) {
+    // The shard may be asleep without this session's socket and bell in its
+    // poll set: wake it so that it adds them.
+    const uint64_t one = 1;
+    [[maybe_unused]] ssize_t r = ::write(shard_wake_fd_, &one, sizeof one);
+  }
+  return answer(out);
+}
+
+Reply Session::respond_locked(MessageType type, const uint8_t* message, size_t length) {
   // Work posted before this request comes first (a deregistration must not
   // overtake the sends that use the region; an attach its receives).
   drain_submissions_locked();
@@ -617,7 +757,7 @@ bool Session::handle(const uint8_t* message, long length, std::vector<int>& fds)
   switch (type) {
     case MessageType::register_memory: {
       RegisterRequest r;
-      if (!sized(sizeof r, sizeof r)) {
+      if (length != sizeof r) {
         out = reply(false, "malformed register request");
         break;
       }
@@ -627,7 +767,7 @@ bool Session::handle(const uint8_t* message, long length, std::vector<int>& fds)
     }
     case MessageType::deregister_memory: {
       KeyRequest r;
-      if (!sized(sizeof r, sizeof r)) {
+      if (length != sizeof r) {
         out = reply(false, "malformed deregister request");
         break;
       }
@@ -645,7 +785,7 @@ bool Session::handle(const uint8_t* message, long length, std::vector<int>& fds)
     }
     case MessageType::attach: {
       AttachRequest r;
-      if (!sized(sizeof r, sizeof r)) {
+      if (length != sizeof r) {
         out = reply(false, "malformed attach request");
         break;
       }
@@ -655,7 +795,7 @@ bool Session::handle(const uint8_t* message, long length, std::vector<int>& fds)
     }
     case MessageType::detach: {
       HandleRequest r;
-      if (!sized(sizeof r, sizeof r)) {
+      if (length != sizeof r) {
         out = reply(false, "malformed detach request");
         break;
       }
@@ -667,6 +807,7 @@ bool Session::handle(const uint8_t* message, long length, std::vector<int>& fds)
       }
       host_.detach_locked(it->second->engine);
       engine_keys_.erase(it->second->key);
+      completion_budget_ -= uint64_t(it->second->max_send_wr) + it->second->max_recv_wr;
       qps_.erase(it);
       --stats_.engines;
       out = reply(true);
@@ -674,7 +815,7 @@ bool Session::handle(const uint8_t* message, long length, std::vector<int>& fds)
     }
     case MessageType::enter_error: {
       HandleRequest r;
-      if (!sized(sizeof r, sizeof r)) {
+      if (length != sizeof r) {
         out = reply(false, "malformed enter_error request");
         break;
       }
@@ -690,6 +831,7 @@ bool Session::handle(const uint8_t* message, long length, std::vector<int>& fds)
         fail_locked(qp, b.w.wr_id, false, off::CompletionStatus::work_request_flushed, b.w.opcode);
       qp.backlog.clear();
       out = reply(true);
+      out.completions_produced = completion_tail_ + overflow_.size();
       break;
     }
     case MessageType::flush_acknowledgements:
@@ -705,12 +847,10 @@ bool Session::handle(const uint8_t* message, long length, std::vector<int>& fds)
       out.engines = stats_.engines.load();
       break;
     default:
-      out = reply(false, "unknown request type %u", h.type);
+      out = reply(false, "unknown request type %u", unsigned(type));
       break;
   }
-  close_all(fds);
-  notify_client_locked();
-  return answer(out);
+  return out;
 }
 
 // ---------------------------------------------------------------------------
@@ -737,6 +877,7 @@ class Shard {
     }
   }
   void add(std::shared_ptr<Session> s) {
+    s->set_shard_wake(wake_fd_);
     {
       std::lock_guard lock(mutex_);
       sessions_.push_back(std::move(s));
@@ -806,6 +947,7 @@ void Shard::sleep(std::vector<std::shared_ptr<Session>>& sessions) {
   // Announce the sleep in every area, then look at the rings once more: a
   // client posting meanwhile sees the announcement and rings the doorbell.
   std::vector<pollfd> fds;
+  std::vector<Session*> bells;  // whose bell is fds[2 + 2 i]
   fds.push_back({wake_fd_, POLLIN, 0});
   uint64_t wake = UINT64_MAX;
   const uint64_t now = monotonic_ns();
@@ -817,7 +959,8 @@ void Shard::sleep(std::vector<std::shared_ptr<Session>>& sessions) {
     std::lock_guard lock(s->mutex());
     wake = std::min(wake, s->host().next_wakeup_locked(now));
     fds.push_back({s->host().fd(), POLLIN, 0});
-    fds.push_back({s->doorbell_fd(), POLLIN, 0});
+    fds.push_back({s->bell_fd(), POLLIN, 0});
+    bells.push_back(s.get());
   }
   if (!pending && wake > now) {
     const uint64_t sleep_ns = std::min<uint64_t>(wake - now, 100'000'000);
@@ -826,10 +969,14 @@ void Shard::sleep(std::vector<std::shared_ptr<Session>>& sessions) {
   }
   for (auto& s : sessions)
     if (s->opened()) s->area()->daemon_sleeping.value.store(0, std::memory_order_relaxed);
-  uint64_t v;
-  for (size_t i = 0; i < fds.size(); ++i)
-    if (i == 0 || i % 2 == 0)  // the wake fd and the doorbells (eventfds); sockets are read by progress
-      if (fds[i].revents & POLLIN) [[maybe_unused]] ssize_t r = ::read(fds[i].fd, &v, sizeof v);
+  // The shard's own eventfd and the doorbells are read here; the UDP
+  // sockets by progress.
+  if (fds[0].revents & POLLIN) {
+    uint64_t v;
+    [[maybe_unused]] ssize_t r = ::read(wake_fd_, &v, sizeof v);
+  }
+  for (size_t i = 0; i < bells.size(); ++i)
+    if (fds[2 + 2 * i].revents & POLLIN) bells[i]->drain_doorbells();
 }
 
 // ---------------------------------------------------------------------------
@@ -890,31 +1037,52 @@ void Daemon::stop() {
   [[maybe_unused]] ssize_t r = ::write(stop_fd_, &one, sizeof one);
 }
 
-bool Daemon::allowed(uid_t uid, gid_t gid) const {
-  if (options_.allow_uids.empty() && options_.allow_gids.empty()) return uid == 0 || uid == ::geteuid();
-  return std::find(options_.allow_uids.begin(), options_.allow_uids.end(), uid) != options_.allow_uids.end() ||
-         std::find(options_.allow_gids.begin(), options_.allow_gids.end(), gid) != options_.allow_gids.end();
+bool Daemon::allowed(const ucred& cred, const std::vector<gid_t>& groups) const {
+  if (options_.allow_uids.empty() && options_.allow_gids.empty()) return cred.uid == 0 || cred.uid == ::geteuid();
+  auto listed = [](const auto& list, auto id) { return std::find(list.begin(), list.end(), id) != list.end(); };
+  if (listed(options_.allow_uids, cred.uid) || listed(options_.allow_gids, cred.gid)) return true;
+  for (gid_t g : groups)
+    if (listed(options_.allow_gids, g)) return true;
+  return false;
 }
 
 void Daemon::accept_client() {
-  const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-  if (fd < 0) return;
-  ucred cred{};
-  socklen_t length = sizeof cred;
-  if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &length) != 0 || !allowed(cred.uid, cred.gid)) {
-    // Told why, then closed: a refused client gets an error, not a hang.
-    Reply r;
-    r.h = {uint32_t(MessageType::reply), sizeof r};
-    r.denied = 1;
-    std::snprintf(r.message, sizeof r.message,
-                  "uid %d gid %d is not allowed to use this engine daemon (its --allow-uid/--allow-gid list)", int(cred.uid),
-                  int(cred.gid));
-    send_message(fd, &r, sizeof r);
-    if (refused_clients_++ < 16) say("refused pid %d uid %d gid %d (not in the allow-list)", int(cred.pid), int(cred.uid), int(cred.gid));
-    ::close(fd);
+  // Non-blocking like the listening socket: the control thread never waits
+  // on one client (answers are sent with MSG_DONTWAIT).
+  const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+  if (fd < 0) {
+    if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+      // The connection stays queued and the listening socket readable:
+      // stop looking at it for a while instead of spinning on it.
+      accept_paused_until_ns_ = monotonic_ns() + 100'000'000;
+      if (refused_clients_++ < 16) say("accept: %s: not accepting for 100 ms", std::strerror(errno));
+    }
     return;
   }
-  auto session = std::make_shared<Session>(fd, cred, *stats_);
+  ucred cred{};
+  socklen_t length = sizeof cred;
+  const bool have_cred = ::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &length) == 0;
+  // Supplementary groups as the kernel recorded them at connect(), not as
+  // the process has them now.
+  std::vector<gid_t> groups(256);
+  socklen_t bytes = socklen_t(groups.size() * sizeof(gid_t));
+  groups.resize(have_cred && ::getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups.data(), &bytes) == 0 ? bytes / sizeof(gid_t) : 0);
+  // Told why, then closed: a refused client gets an error, not a hang.
+  auto refuse = [&](bool denied, const std::string& why) {
+    Reply r;
+    r.h = {uint32_t(MessageType::reply), sizeof r};
+    r.denied = denied ? 1 : 0;
+    std::snprintf(r.message, sizeof r.message, "%s", why.c_str());
+    send_message(fd, &r, sizeof r, nullptr, 0, MSG_DONTWAIT);
+    ::close(fd);
+    if (refused_clients_++ < 16) say("refused pid %d uid %d gid %d: %s", int(cred.pid), int(cred.uid), int(cred.gid), why.c_str());
+  };
+  if (!have_cred || !allowed(cred, groups))
+    return refuse(true, "uid " + std::to_string(cred.uid) + " gid " + std::to_string(cred.gid) +
+                            " is not allowed to use this engine daemon (its --allow-uid/--allow-gid list)");
+  if (sessions_.size() >= options_.max_clients)
+    return refuse(false, "the daemon already serves its maximum of " + std::to_string(options_.max_clients) + " clients (--max-clients)");
+  auto session = std::make_shared<Session>(fd, cred, peer_pidfd(fd, cred.pid), options_, *stats_);
   sessions_.push_back(session);
   // The least loaded shard takes it.
   Shard* best = shards_[next_shard_++ % shards_.size()].get();
@@ -928,16 +1096,19 @@ void Daemon::close_session(size_t index) {
   sessions_.erase(sessions_.begin() + long(index));
   for (auto& shard : shards_) shard->remove(s.get());
   s->teardown();
-  say("client pid %d: gone; its QPs flushed and freed, its memory forgotten", int(s->credentials().pid));
+  say("client pid %d: gone; its QPs freed, its memory never touched again", int(s->credentials().pid));
 }
 
 void Daemon::serve_clients() {
   std::vector<uint8_t> buffer(max_message_bytes);
   std::vector<int> fds;
   for (;;) {
-    std::vector<pollfd> polled{{stop_fd_, POLLIN, 0}, {listen_fd_, POLLIN, 0}};
+    // Out of descriptors a while ago: the listening socket sits out (fd -1
+    // is ignored by poll) until the pause is over.
+    const bool accepting = monotonic_ns() >= accept_paused_until_ns_;
+    std::vector<pollfd> polled{{stop_fd_, POLLIN, 0}, {accepting ? listen_fd_ : -1, POLLIN, 0}};
     for (auto& s : sessions_) polled.push_back({s->socket(), POLLIN, 0});
-    if (::poll(polled.data(), polled.size(), 1000) < 0 && errno != EINTR) break;
+    if (::poll(polled.data(), polled.size(), accepting ? 1000 : 100) < 0 && errno != EINTR) break;
     if (polled[0].revents & POLLIN) break;
     if (polled[1].revents & POLLIN) accept_client();
     // Back to front: closing a session shifts the ones behind it.

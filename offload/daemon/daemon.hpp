@@ -14,6 +14,7 @@
 // before use, and a client can name only its own engines and memory.
 #pragma once
 
+#include <sys/socket.h>
 #include <sys/types.h>
 
 #include <atomic>
@@ -34,6 +35,12 @@ struct DaemonOptions {
   uint64_t spin_ns = 50'000;
   std::vector<uid_t> allow_uids;  // empty with empty allow_gids: the daemon's own uid and root
   std::vector<gid_t> allow_gids;
+  // Quotas: what one client (one application context) may make the daemon
+  // hold, and how many clients it serves at once. Beyond them a request
+  // fails with a message; a ring entry is refused and counted.
+  unsigned max_clients = 1024;
+  unsigned max_qps_per_client = 4096;
+  unsigned max_regions_per_client = 65536;
 };
 
 class Shard;
@@ -57,7 +64,7 @@ class Daemon {
   void stop();
 
  private:
-  bool allowed(uid_t, gid_t) const;
+  bool allowed(const ucred&, const std::vector<gid_t>& supplementary_groups) const;
   void serve_clients();
   void accept_client();
   void close_session(size_t index);
@@ -69,6 +76,7 @@ class Daemon {
   std::vector<std::shared_ptr<Session>> sessions_;
   size_t next_shard_ = 0;
   uint64_t refused_clients_ = 0;
+  uint64_t accept_paused_until_ns_ = 0;  // out of descriptors: accept again after this
 };
 
 }  // namespace stellar::engined

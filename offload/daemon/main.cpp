@@ -4,10 +4,12 @@
 //
 //   stellar-engined --socket /run/stellar/engined.sock [--cores N] [--foreground]
 #include <signal.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <filesystem>
 
 #include "daemon/daemon.hpp"
 
@@ -33,9 +35,24 @@ int main(int argc, char** argv) {
   app.add_option("--spin-us", spin_us, "adaptive: spin this long without work before sleeping")->capture_default_str();
   app.add_option("--allow-uid", o.allow_uids, "users whose applications may attach (default: this daemon's user and root)");
   app.add_option("--allow-gid", o.allow_gids, "groups whose applications may attach");
+  app.add_option("--max-clients", o.max_clients, "application contexts served at once")->check(CLI::Range(1u, 1u << 20))->capture_default_str();
+  app.add_option("--max-qps", o.max_qps_per_client, "QPs one context may attach")->check(CLI::Range(1u, 1u << 24))->capture_default_str();
+  app.add_option("--max-regions", o.max_regions_per_client, "memory regions one context may register")
+      ->check(CLI::Range(1u, 1u << 24))
+      ->capture_default_str();
   app.add_flag("--foreground", foreground, "stay in the foreground, log to stderr (containers, tests, systemd)");
   CLI11_PARSE(app, argc, argv);
   o.busy_poll = wait == "poll";
+  // Absolute: daemon() changes to /, and the socket is removed at exit.
+  std::error_code ec;
+  if (auto absolute = std::filesystem::absolute(o.socket_path, ec); !ec) o.socket_path = absolute.string();
+  // Every client holds a few descriptors here (its socket, bell, UDP
+  // socket, /proc/PID/mem, pidfd): take all the kernel allows.
+  rlimit files{};
+  if (::getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur < files.rlim_max) {
+    files.rlim_cur = files.rlim_max;
+    ::setrlimit(RLIMIT_NOFILE, &files);
+  }
   o.spin_ns = spin_us * 1000;
 
   stellar::engined::Daemon daemon(o);

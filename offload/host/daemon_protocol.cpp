@@ -16,7 +16,7 @@ static_assert(std::is_trivially_copyable_v<Reply> && std::is_trivially_copyable_
               std::is_trivially_copyable_v<RegisterRequest> && std::is_trivially_copyable_v<OpenRequest>);
 static_assert(sizeof(RegisterRequest) <= max_message_bytes && sizeof(Reply) <= max_message_bytes);
 
-bool send_message(int socket, const void* data, size_t length, const int* fds, int fd_count) {
+bool send_message(int socket, const void* data, size_t length, const int* fds, int fd_count, int flags) {
   iovec iov{const_cast<void*>(data), length};
   msghdr m{};
   m.msg_iov = &iov;
@@ -34,7 +34,7 @@ bool send_message(int socket, const void* data, size_t length, const int* fds, i
   }
   for (;;) {
     // MSG_NOSIGNAL: a peer that went away is an error here, not SIGPIPE.
-    const ssize_t n = ::sendmsg(socket, &m, MSG_NOSIGNAL);
+    const ssize_t n = ::sendmsg(socket, &m, MSG_NOSIGNAL | flags);
     if (n == ssize_t(length)) return true;
     if (n < 0 && errno == EINTR) continue;
     return false;

@@ -2,14 +2,19 @@
 //
 // Two channels per application context:
 //  - control: a Unix SOCK_SEQPACKET socket. One request, one reply, each a
-//    single message: open the context (with the shared area's memfd and two
-//    eventfds attached), register and deregister memory (keys and ranges),
+//    single message: open the context (with the shared area's memfd and one
+//    end of the "bell" socket pair attached), register and deregister
+//    memory (keys and ranges),
 //    attach and detach QPs, counters. The socket
 //    is also how each side learns the other is gone (EOF / POLLHUP).
 //  - data: two single-producer single-consumer rings in one shared memfd
 //    (SharedArea): work requests application -> daemon, completions
 //    daemon -> application. Posting and polling never make a system call
-//    unless the other side announced it is asleep (then one eventfd write).
+//    unless the other side announced it is asleep (then one datagram on the
+//    bell pair). The bells are a Unix datagram socket pair, not eventfds:
+//    the daemon sends and receives on them with MSG_DONTWAIT, so a client
+//    that makes its end blocking (O_NONBLOCK is shared by everyone holding
+//    the descriptor) or never reads cannot stall a daemon thread.
 //
 // Every message and ring entry is plain fixed-width data with its size
 // asserted, so that an x86-64 application and an aarch64 daemon (a
@@ -31,12 +36,12 @@
 namespace stellar::host::daemon {
 
 inline constexpr uint32_t protocol_magic = 0x53544c44;  // "STLD"
-inline constexpr uint32_t protocol_version = 1;
+inline constexpr uint32_t protocol_version = 2;
 inline constexpr size_t max_message_bytes = 4096;
-inline constexpr int max_message_fds = 3;  // the open's: shared area memfd, doorbell and wake eventfds
+inline constexpr int max_message_fds = 2;  // the open's: shared area memfd, the daemon's end of the bell pair
 
 enum class MessageType : uint32_t {
-  open = 1,        // + fds: shared area memfd, doorbell eventfd (app -> daemon), wake eventfd (daemon -> app)
+  open = 1,        // + fds: shared area memfd, the daemon's end of the bell pair (doorbells in, wake-ups out)
   register_memory,
   deregister_memory,
   attach,
@@ -81,7 +86,7 @@ static_assert(sizeof(RegisterRequest) == 40);
 
 struct KeyRequest {  // deregister_memory
   MessageHeader h;
-  uint32_t lkey = 0, pad = 0;
+  uint32_t lkey = 0, pad = 0;  // keys are unique in a context, whatever their PD (the soft provider draws them so)
 };
 
 // The QP's engine configuration, field by field: only what the soft
@@ -126,6 +131,10 @@ struct Reply {
   uint32_t engines = 0;     // counters: QPs attached across all of them
   uint32_t denied = 0;      // !ok: 1 when the client's credentials are not on the allow-list
   HostCounters counters{};  // counters: this context's
+  // enter_error: completions the daemon has produced for this context so
+  // far (ring and overflow), the flushed ones included: the client has
+  // seen them all once its completion head reaches this.
+  uint64_t completions_produced = 0;
   char message[512] = {};   // !ok: why
 };
 
@@ -203,7 +212,9 @@ inline CompletionEntry* completion_ring(void* area, uint32_t submit_capacity) {
 // ---- the control socket ----
 
 // Sends one message with `fds` attached (SCM_RIGHTS). False on failure.
-bool send_message(int socket, const void* data, size_t length, const int* fds = nullptr, int fd_count = 0);
+// `flags` adds to MSG_NOSIGNAL (the daemon passes MSG_DONTWAIT: a client
+// that does not read its replies is dropped, not waited for).
+bool send_message(int socket, const void* data, size_t length, const int* fds = nullptr, int fd_count = 0, int flags = 0);
 // Receives one message into `buffer` (at most `capacity` bytes) and up to
 // `max_fds` descriptors (the rest are closed). Returns the bytes received, 0
 // on EOF, -1 on error or on a message larger than `capacity` (its fds

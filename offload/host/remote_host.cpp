@@ -40,6 +40,7 @@ struct RemoteHost::Engine final : Host::Engine {
   uint32_t handle = 0;
   off::CompletionSink* sink = nullptr;
   uint32_t qpn = 0, max_send_wr = 0, max_recv_wr = 0;
+  off::EngineConfig config;  // what check_send_work needs (mode, mtu)
   // Sequence numbers (the soft provider's engine-side wr_ids, 1, 2, ...):
   // the last posted and the last completed. A queue completes in order, so
   // a completion of N says every WR up to N is done, unsignaled ones too.
@@ -55,7 +56,7 @@ RemoteHost::~RemoteHost() {
   // frees this context's QPs and unmaps its memory.
   if (socket_ >= 0) ::close(socket_);
   if (area_memory_) ::munmap(area_memory_, area_bytes_);
-  for (int fd : {area_fd_, doorbell_fd_, wake_fd_})
+  for (int fd : {area_fd_, bell_fd_, kick_fd_})
     if (fd >= 0) ::close(fd);
 }
 
@@ -93,9 +94,18 @@ std::optional<SocketError> RemoteHost::open(const HostOptions& options) {
   area_->completion_capacity = completion_capacity;
   submit_ = submit_ring(area_memory_);
   completions_ = completion_ring(area_memory_, submit_capacity);
-  doorbell_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  if (doorbell_fd_ < 0 || wake_fd_ < 0) return fail(errno_text("eventfd"));
+  // The bells: one datagram socket pair, ours and the daemon's end. A
+  // datagram to the daemon's end is a doorbell (work in the ring), one to
+  // ours a wake-up (completions in the ring). The kick eventfd is ours
+  // alone: it wakes our own sleepers (kick()).
+  int bells[2];
+  if (::socketpair(AF_UNIX, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0, bells) != 0) return fail(errno_text("socketpair"));
+  bell_fd_ = bells[0];
+  kick_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (kick_fd_ < 0) {
+    ::close(bells[1]);
+    return fail(errno_text("eventfd"));
+  }
 
   OpenRequest r;
   r.h = {uint32_t(MessageType::open), sizeof r};
@@ -111,10 +121,12 @@ std::optional<SocketError> RemoteHost::open(const HostOptions& options) {
   r.submit_capacity = submit_capacity;
   r.completion_capacity = completion_capacity;
   r.area_bytes = area_bytes_;
-  const int fds[3] = {area_fd_, doorbell_fd_, wake_fd_};
+  const int fds[2] = {area_fd_, bells[1]};
   Reply reply;
   std::string error;
-  if (!call_locked(&r, sizeof r, reply, error, fds, 3)) {
+  const bool opened = call_locked(&r, sizeof r, reply, error, fds, 2);
+  ::close(bells[1]);  // the daemon has its own copy now
+  if (!opened) {
     SocketError e{!denied_ && error.find("address") != std::string::npos, error};
     e.permission_denied = denied_;
     return e;
@@ -125,8 +137,8 @@ std::optional<SocketError> RemoteHost::open(const HostOptions& options) {
   gso_ = reply.gso;
   gro_ = reply.gro;
   daemon_pid_ = reply.daemon_pid;
-  // The daemon reads and writes registered memory with process_vm_readv/
-  // writev, which Yama's ptrace_scope 1 allows only to a declared tracer.
+  // The daemon reads and writes registered memory through /proc/PID/mem,
+  // which Yama's ptrace_scope 1 allows only to a declared tracer.
   // (Without Yama this fails harmlessly; a daemon with CAP_SYS_PTRACE needs
   // nothing.) Registration checks that the daemon can reach us.
   ::prctl(PR_SET_PTRACER, daemon_pid_, 0, 0, 0);
@@ -138,7 +150,7 @@ int RemoteHost::fd() const {
   // the daemon must write it after every batch of completions, not only
   // when a waiter announced itself.
   if (area_) area_->client_events.value.store(1, std::memory_order_seq_cst);
-  return wake_fd_;
+  return bell_fd_;
 }
 
 bool RemoteHost::call_locked(const void* request, size_t length, Reply& reply, std::string& error, const int* fds,
@@ -190,6 +202,9 @@ bool RemoteHost::call_locked(const void* request, size_t length, Reply& reply, s
 void RemoteHost::daemon_died_locked(const std::string& why) const {
   if (dead_) return;
   dead_ = true;
+  // A daemon that stopped answering may only be slow: hang up, so that it
+  // tears this context down (and stops touching its memory) when it looks.
+  if (socket_ >= 0) ::shutdown(socket_, SHUT_RDWR);
   std::fprintf(stderr, "stellar: the engine daemon at %s is gone (%s): every QP of this context is now in ERROR\n", path_.c_str(),
                why.c_str());
 }
@@ -236,6 +251,7 @@ Host::Engine* RemoteHost::attach_locked(const off::EngineConfig& config, const s
   e->qpn = config.local_qpn;
   e->max_send_wr = config.max_send_wr;
   e->max_recv_wr = config.max_recv_wr;
+  e->config = config;
   e->send_opcodes.assign(std::max<uint32_t>(config.max_send_wr, 1), 0);
   Engine* handle = e.get();
   engines_[reply.handle] = std::move(e);
@@ -276,6 +292,9 @@ bool RemoteHost::push_locked(const SubmitEntry& entry) {
 
 off::PostResult RemoteHost::post_send_locked(Host::Engine* handle, const off::SendWork& w, uint64_t) {
   auto* e = static_cast<Engine*>(handle);
+  // As the engine would answer, now: a WR no QP could take fails here, not
+  // later in the daemon as an error completion.
+  if (const off::PostResult shape = off::check_send_work(w, e->config); shape != off::PostResult::ok) return shape;
   if (!dead_ && e->sends_posted - e->sends_completed >= e->max_send_wr) return off::PostResult::queue_full;
   e->sends_posted = w.wr_id;
   e->send_opcodes[w.wr_id % e->send_opcodes.size()] = uint8_t(w.opcode);
@@ -320,6 +339,7 @@ off::PostResult RemoteHost::post_send_locked(Host::Engine* handle, const off::Se
 
 off::PostResult RemoteHost::post_receive_locked(Host::Engine* handle, const off::ReceiveWork& r) {
   auto* e = static_cast<Engine*>(handle);
+  if (r.segment_count > off::max_segments) return off::PostResult::invalid_argument;
   if (!dead_ && e->receives_posted - e->receives_completed >= e->max_recv_wr) return off::PostResult::queue_full;
   e->receives_posted = r.wr_id;
   if (dead_) {
@@ -353,15 +373,25 @@ void RemoteHost::enter_error_locked(Host::Engine* handle) {
     return;
   }
   // The flushed completions are in the ring, or (a full ring) in the
-  // daemon's overflow, which it moves over as we drain.
-  const uint64_t deadline = monotonic_ns() + 1'000'000'000;
+  // daemon's overflow, which it moves over as we drain: the reply says how
+  // many the daemon has produced in all, so we know when we have them
+  // (counting this QP's sequence numbers would not do: an unsignaled last
+  // WR completes nothing).
+  const uint64_t deadline = monotonic_ns() + uint64_t(reply_timeout_ms) * 1'000'000;
   drain_completions_locked();
-  while ((e->sends_posted != e->sends_completed || e->receives_posted != e->receives_completed) && !dead_ &&
-         monotonic_ns() < deadline) {
+  while (int64_t(reply.completions_produced - completion_head_) > 0 && !dead_) {
+    if (monotonic_ns() > deadline) {
+      daemon_died_locked("its flushed completions did not arrive within 5 s");
+      break;
+    }
     ring_doorbell();
     sched_yield();
     drain_completions_locked();
   }
+  if (dead_) return flush_everything_locked();
+  // Everything posted before the request is flushed or was completed.
+  e->sends_completed = e->sends_posted;
+  e->receives_completed = e->receives_posted;
 }
 
 bool RemoteHost::in_error_locked(const Host::Engine* handle) const { return dead_ || static_cast<const Engine*>(handle)->error; }
@@ -376,8 +406,15 @@ uint32_t RemoteHost::outstanding_receives_locked(const Host::Engine* handle) con
 }
 
 void RemoteHost::ring_doorbell() {
-  const uint64_t one = 1;
-  [[maybe_unused]] ssize_t r = ::write(doorbell_fd_, &one, sizeof one);
+  // Never blocks: a full buffer means the daemon has doorbells unread already.
+  const char bell = 'd';
+  [[maybe_unused]] ssize_t r = ::send(bell_fd_, &bell, 1, MSG_DONTWAIT | MSG_NOSIGNAL);
+}
+
+void RemoteHost::drain_bell() {
+  char bells[64];
+  while (::recv(bell_fd_, bells, sizeof bells, MSG_DONTWAIT) > 0) {
+  }
 }
 
 void RemoteHost::posted_locked(Host::Engine*, uint64_t) {
@@ -430,8 +467,11 @@ void RemoteHost::check_daemon_locked(uint64_t now) {
 }
 
 void RemoteHost::flush_everything_locked() {
-  // What the daemon's engines held is lost with it: every outstanding work
-  // request completes as flushed, as verbs does for a QP in ERROR.
+  // What the daemon completed before it went comes first (the ring is ours
+  // and still mapped), then what its engines held, which is lost with it:
+  // every outstanding work request completes as flushed, as verbs does for
+  // a QP in ERROR.
+  drain_completions_locked();
   for (auto& [handle, e] : engines_) {
     e->error = true;
     for (uint64_t s = e->sends_completed + 1; s <= e->sends_posted; ++s) {
@@ -464,6 +504,10 @@ void RemoteHost::flush_everything_locked() {
 
 bool RemoteHost::progress_locked(uint64_t now) {
   client_.on_progress_locked(now);
+  // Someone polls our bell outside sleep_until_work (fd()): it is readable
+  // until drained, so drain it before looking at the ring (a wake-up sent
+  // after this is for completions we have not seen yet).
+  if (area_ && area_->client_events.value.load(std::memory_order_relaxed)) drain_bell();
   size_t n = drain_completions_locked();
   if (n == 0) check_daemon_locked(now);
   if (dead_) {
@@ -494,7 +538,7 @@ HostCounters RemoteHost::counters_locked() const {
 
 void RemoteHost::kick() {
   const uint64_t one = 1;
-  [[maybe_unused]] ssize_t r = ::write(wake_fd_, &one, sizeof one);
+  [[maybe_unused]] ssize_t r = ::write(kick_fd_, &one, sizeof one);
 }
 
 void RemoteHost::sleep_until_work(uint64_t limit_ns, int extra_fd) {
@@ -510,21 +554,26 @@ void RemoteHost::sleep_until_work(uint64_t limit_ns, int extra_fd) {
   // then looks at the announcement): no completion is slept through.
   // A count, not a flag: several threads may wait at once (a CQ's waiter
   // and the completion watcher), and one waking must not unannounce another.
+  // The head is read from the area (what the last drain published), not
+  // from completion_head_: this runs without the lock. A stale head only
+  // makes us return early.
   area_->client_waiting.value.fetch_add(1, std::memory_order_seq_cst);
-  if (area_->completion_tail.value.load(std::memory_order_seq_cst) != completion_head_) {
+  if (area_->completion_tail.value.load(std::memory_order_seq_cst) !=
+      area_->completion_head.value.load(std::memory_order_relaxed)) {
     area_->client_waiting.value.fetch_sub(1, std::memory_order_relaxed);
     return;
   }
-  pollfd fds[3] = {{wake_fd_, POLLIN, 0}, {socket_, POLLIN, 0}, {extra_fd, POLLIN, 0}};
+  pollfd fds[4] = {{bell_fd_, POLLIN, 0}, {kick_fd_, POLLIN, 0}, {socket_, POLLIN, 0}, {extra_fd, POLLIN, 0}};
   const uint64_t sleep_ns = std::min<uint64_t>(until - now, 1'000'000'000);
   const timespec timeout{time_t(sleep_ns / 1'000'000'000), long(sleep_ns % 1'000'000'000)};
-  ::ppoll(fds, extra_fd >= 0 ? 3 : 2, &timeout, nullptr);
+  ::ppoll(fds, extra_fd >= 0 ? 4 : 3, &timeout, nullptr);
   area_->client_waiting.value.fetch_sub(1, std::memory_order_relaxed);
-  if (fds[0].revents & POLLIN) {
+  if (fds[0].revents & POLLIN) drain_bell();
+  if (fds[1].revents & POLLIN) {
     uint64_t v;
-    [[maybe_unused]] ssize_t r = ::read(wake_fd_, &v, sizeof v);
+    [[maybe_unused]] ssize_t r = ::read(kick_fd_, &v, sizeof v);
   }
-  if (fds[1].revents) {
+  if (fds[2].revents) {
     std::lock_guard lock(lock_);
     next_liveness_check_ns_ = 0;
     check_daemon_locked(monotonic_ns());

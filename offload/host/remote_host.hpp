@@ -4,7 +4,7 @@
 // rings (data: work requests out, completions in; daemon_protocol.hpp).
 //
 // Memory: registration tells the daemon the keys and the range; it reads
-// and writes registered memory in this process with process_vm_readv/writev,
+// and writes registered memory in this process through /proc/PID/mem,
 // as a NIC's DMA engine would, and resolves remote keys itself. Nothing is
 // copied on this side. Deregistration returns only once the daemon has
 // dropped the region: from then on it cannot touch it.
@@ -17,6 +17,7 @@
 // Locking: as Host's; the control socket is used under the lock.
 #pragma once
 
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -40,8 +41,9 @@ class RemoteHost final : public Host {
   void start() override {}
   void stop() override {}
 
-  // The wake eventfd: the daemon writes it when it adds completions
-  // (asking for it makes the daemon write it after every batch).
+  // Our end of the bell pair: readable when the daemon added completions
+  // (asking for it makes the daemon ring it after every batch; progress
+  // drains it).
   int fd() const override;
   const sockaddr_in& local() const override { return local_; }
   bool gso() const override { return gso_; }
@@ -80,6 +82,7 @@ class RemoteHost final : public Host {
                    int fd_count = 0) const;
   bool push_locked(const daemon::SubmitEntry&);
   void ring_doorbell();
+  void drain_bell();
   size_t drain_completions_locked();
   void check_daemon_locked(uint64_t now_ns);
   void daemon_died_locked(const std::string& why) const;
@@ -89,7 +92,9 @@ class RemoteHost final : public Host {
   HostClient& client_;
   HostOptions options_;
   std::string path_;
-  int socket_ = -1, area_fd_ = -1, doorbell_fd_ = -1, wake_fd_ = -1;
+  int socket_ = -1, area_fd_ = -1;
+  int bell_fd_ = -1;  // our end of the bell socket pair: doorbells out, wake-ups in
+  int kick_fd_ = -1;  // eventfd: kick() wakes our own sleepers
   void* area_memory_ = nullptr;
   size_t area_bytes_ = 0;
   daemon::SharedArea* area_ = nullptr;
@@ -99,7 +104,7 @@ class RemoteHost final : public Host {
   sockaddr_in local_{};
   bool gso_ = false, gro_ = false;
   uint32_t daemon_pid_ = 0;
-  mutable bool dead_ = false;
+  mutable std::atomic<bool> dead_{false};  // read without the lock by sleep_until_work
   mutable bool denied_ = false;  // the daemon refused our credentials
   uint64_t next_liveness_check_ns_ = 0;
   std::unordered_map<uint32_t, std::unique_ptr<Engine>> engines_;  // by the daemon's handle

@@ -189,12 +189,14 @@ class RawClient {
   }
   ~RawClient() {
     ::close(fd_);
+    for (int fd : {doorbell_, daemon_bell_})
+      if (fd >= 0) ::close(fd);
     if (area_) ::munmap(area_, bytes_);
   }
   bool connected() const { return connected_; }
   int fd() const { return fd_; }
 
-  // A well-formed open: its own rings and eventfds.
+  // A well-formed open: its own rings and bell socket pair.
   proto::Reply open() {
     bytes_ = proto::area_bytes(capacity, capacity);
     const int memfd = ::memfd_create("raw", MFD_CLOEXEC | MFD_ALLOW_SEALING);
@@ -203,19 +205,45 @@ class RawClient {
     area_ = ::mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, memfd, 0);
     shared_ = new (area_) proto::SharedArea{};
     shared_->submit_capacity = shared_->completion_capacity = capacity;
-    doorbell_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-    const int wake = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    int bells[2];
+    EXPECT_EQ(::socketpair(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0, bells), 0);
+    doorbell_ = bells[0];
+    const int theirs = bells[1];
     proto::OpenRequest r;
     r.h = {uint32_t(proto::MessageType::open), sizeof r};
     std::strcpy(r.bind_address, "127.0.0.1");
     r.mtu = 4096;
     r.submit_capacity = r.completion_capacity = capacity;
     r.area_bytes = bytes_;
-    const int fds[3] = {memfd, doorbell_, wake};
-    proto::Reply reply = call(&r, sizeof r, fds, 3);
+    const int fds[2] = {memfd, theirs};
+    proto::Reply reply = call(&r, sizeof r, fds, 2);
     ::close(memfd);
-    ::close(wake);
+    daemon_bell_ = theirs;  // kept: a hostile client can still reach the daemon's end
     return reply;
+  }
+  // The daemon's end of the bell pair, as this client still holds it.
+  int daemon_bell() const { return daemon_bell_; }
+  // Asks the daemon to ring our bell after every batch of completions.
+  void want_events() { shared_->client_events.value.store(1); }
+  // Attaches a QP (local QPN `qpn`, 16 WRs each way) to a peer that never answers.
+  proto::Reply attach(uint32_t qpn) {
+    proto::AttachRequest a;
+    a.h = {uint32_t(proto::MessageType::attach), sizeof a};
+    a.mtu = 4096, a.max_send_wr = a.max_recv_wr = 16, a.local_qpn = qpn, a.remote_qpn = 6, a.local_token = 1;
+    a.rto_min_ns = a.rto_max_ns = 1'000'000, a.line_rate_bps = 1'000'000'000;
+    a.peer_address = htonl(0x7f000001), a.peer_port = htons(9);
+    return call(&a, sizeof a);
+  }
+  // push(), after waiting (up to `limit`) for room in the ring; false if
+  // the daemon stopped consuming.
+  bool push_when_room(const proto::SubmitEntry& e, std::chrono::milliseconds limit = 2000ms) {
+    const auto deadline = std::chrono::steady_clock::now() + limit;
+    while (tail_ - consumed() >= capacity) {
+      if (std::chrono::steady_clock::now() > deadline) return false;
+      std::this_thread::sleep_for(100us);
+    }
+    push(e);
+    return true;
   }
   proto::Reply call(const void* data, size_t length, const int* fds = nullptr, int count = 0) {
     proto::Reply reply{};
@@ -235,20 +263,18 @@ class RawClient {
     ring[tail_ % capacity] = e;
     ++tail_;
     shared_->submit_tail.value.store(tail_, std::memory_order_release);
-    const uint64_t one = 1;
-    [[maybe_unused]] ssize_t r = ::write(doorbell_, &one, sizeof one);
+    [[maybe_unused]] ssize_t r = ::send(doorbell_, "d", 1, MSG_DONTWAIT);
   }
   void set_tail(uint64_t v) {
     shared_->submit_tail.value.store(v, std::memory_order_release);
-    const uint64_t one = 1;
-    [[maybe_unused]] ssize_t r = ::write(doorbell_, &one, sizeof one);
+    [[maybe_unused]] ssize_t r = ::send(doorbell_, "d", 1, MSG_DONTWAIT);
   }
   uint64_t consumed() const { return shared_->submit_head.value.load(std::memory_order_acquire); }
 
   static constexpr uint32_t capacity = 64;
 
  private:
-  int fd_ = -1, doorbell_ = -1;
+  int fd_ = -1, doorbell_ = -1, daemon_bell_ = -1;
   bool connected_ = false;
   void* area_ = nullptr;
   size_t bytes_ = 0;
@@ -482,4 +508,116 @@ TEST(EngineDaemon, MalformedControlMessagesGetErrorsNotCrashes) {
   Pair p(daemon.options(), daemon.options());
   ASSERT_TRUE(p.status.ok()) << p.status.to_string();
   write_and_check(p, 10000);
+}
+
+// A client that turns the daemon's end of its bells blocking (O_NONBLOCK
+// lives in the descriptor both hold), floods the doorbell, makes the daemon
+// produce completions it never consumes, and sends requests whose replies
+// it never reads. None of it may stall a daemon thread: another client's
+// data moves meanwhile, and the hostile session is ended.
+TEST(EngineDaemon, AClientThatStopsReadingCannotStallTheDaemon) {
+  Engined daemon;
+  Pair victim(daemon.options(), daemon.options());
+  ASSERT_TRUE(victim.status.ok()) << victim.status.to_string();
+  RawClient raw(daemon.socket());
+  ASSERT_EQ(raw.open().ok, 1);
+  const int flags = ::fcntl(raw.daemon_bell(), F_GETFL);
+  ASSERT_EQ(::fcntl(raw.daemon_bell(), F_SETFL, flags & ~O_NONBLOCK), 0);
+  raw.want_events();
+  const proto::Reply attached = raw.attach(7);
+  ASSERT_EQ(attached.ok, 1) << attached.message;
+  // Receives with a key that is not ours: each one completes in error
+  // (local protection), and we never take a completion out of the ring.
+  proto::SubmitEntry e;
+  e.kind = uint32_t(proto::EntryKind::post_receive);
+  e.handle = attached.handle;
+  e.count = 1;
+  e.segments[0] = proto::WireSegment{0x1000, 64, 999};
+  size_t pushed = 0;
+  while (pushed < 4000 && raw.push_when_room(e, 1000ms)) ++pushed;
+  // Doorbells by the thousand, on a bell we made blocking (we never read ours).
+  for (int i = 0; i < 5000; ++i) [[maybe_unused]] ssize_t r = ::send(raw.daemon_bell(), "d", 1, MSG_DONTWAIT);
+  // Requests whose replies we never read.
+  proto::MessageHeader h{uint32_t(proto::MessageType::counters), sizeof h};
+  for (int i = 0; i < 100000; ++i)
+    if (!proto::send_message(raw.fd(), &h, sizeof h, nullptr, 0, MSG_DONTWAIT)) break;
+  write_and_check(victim, 100000);
+  EXPECT_TRUE(daemon.alive());
+  // The hostile session ends (unconsumed completions past any honest
+  // client's, or replies it does not read): the daemon hangs up on it.
+  pollfd pf{raw.fd(), POLLRDHUP, 0};
+  const auto deadline = std::chrono::steady_clock::now() + 3s;
+  while (!(pf.revents & (POLLHUP | POLLRDHUP)) && std::chrono::steady_clock::now() < deadline) ::poll(&pf, 1, 100);
+  EXPECT_TRUE(pf.revents & (POLLHUP | POLLRDHUP)) << "the daemon still serves a client that does not read";
+  RawClient observer(daemon.socket());
+  ASSERT_EQ(observer.open().ok, 1);
+  const auto gone = std::chrono::steady_clock::now() + 3s;
+  while (observer.counters().sessions != 3 && std::chrono::steady_clock::now() < gone) std::this_thread::sleep_for(10ms);
+  EXPECT_EQ(observer.counters().sessions, 3u) << "the victim's two contexts and the observer";
+  EXPECT_GT(observer.counters().engines, 0u);
+}
+
+// The daemon's quotas: clients at once, QPs and regions per client. Each
+// refusal is an error that names the limit; what was within it works.
+TEST(EngineDaemon, QuotasRefuseWithAMessage) {
+  Engined daemon({"--max-clients", "2", "--max-qps", "1", "--max-regions", "1"});
+  RawClient one(daemon.socket()), two(daemon.socket());
+  ASSERT_EQ(one.open().ok, 1);
+  ASSERT_EQ(two.open().ok, 1);
+  auto third = Context::open(daemon.options());
+  ASSERT_FALSE(third);
+  EXPECT_NE(third.status().message().find("--max-clients"), std::string::npos) << third.status().to_string();
+  ASSERT_EQ(one.attach(7).ok, 1);
+  proto::Reply r = one.attach(8);
+  EXPECT_EQ(r.ok, 0);
+  EXPECT_NE(std::string(r.message).find("--max-qps"), std::string::npos) << r.message;
+  static uint8_t region[2][4096];
+  proto::RegisterRequest reg;
+  reg.h = {uint32_t(proto::MessageType::register_memory), sizeof reg};
+  reg.lkey = 5, reg.rkey = 6, reg.access = 1;
+  reg.address = reinterpret_cast<uint64_t>(region[0]), reg.length = sizeof region[0];
+  r = one.call(&reg, sizeof reg);
+  ASSERT_EQ(r.ok, 1) << r.message;
+  reg.lkey = 7, reg.rkey = 8, reg.address = reinterpret_cast<uint64_t>(region[1]);
+  r = one.call(&reg, sizeof reg);
+  EXPECT_EQ(r.ok, 0);
+  EXPECT_NE(std::string(r.message).find("--max-regions"), std::string::npos) << r.message;
+  EXPECT_TRUE(daemon.alive());
+}
+
+// Entering ERROR right after an unsignaled WR (which completes nothing)
+// frees every slot at once: the whole send queue can be posted again (and
+// is flushed), none is still counted as outstanding.
+TEST(EngineDaemon, EnterErrorAfterAnUnsignaledWriteFreesTheQueue) {
+  Engined daemon;
+  Pair p(daemon.options(), daemon.options());
+  ASSERT_TRUE(p.status.ok()) << p.status.to_string();
+  write_and_check(p, 4096);
+  std::vector<uint8_t> source(64, 1), target(64, 0);
+  auto smr = p.pd_a->register_memory(source.data(), source.size(), access_local_write).value();
+  auto tmr = p.pd_b->register_memory(target.data(), target.size(), access_local_write | access_remote_write).value();
+  Sge s{reinterpret_cast<uint64_t>(source.data()), 64, smr->lkey()};
+  SendWr wr;
+  wr.opcode = WrOpcode::rdma_write;
+  wr.sg_list = {&s, 1};
+  wr.remote_addr = tmr->addr();
+  wr.rkey = tmr->rkey();
+  wr.flags = 0;  // unsignaled
+  ASSERT_TRUE(p.qp_a->post_send(wr).ok());
+  const auto landed = std::chrono::steady_clock::now() + 5s;
+  while (target[63] != 1 && std::chrono::steady_clock::now() < landed) std::this_thread::sleep_for(1ms);
+  ASSERT_EQ(target[63], 1) << "the unsignaled WRITE landed";
+  QpModify m;
+  m.state = QpState::error;
+  ASSERT_TRUE(p.qp_a->modify(m).ok());
+  wr.flags = send_signaled;
+  const uint32_t depth = QpCapabilities{}.max_send_wr;
+  for (uint32_t i = 0; i < depth; ++i) {
+    wr.wr_id = 1000 + i;
+    Status posted = p.qp_a->post_send(wr);
+    ASSERT_TRUE(posted.ok()) << "post " << i << " of " << depth << ": " << posted.to_string();
+  }
+  auto flushed = collect(*p.cq_a, depth, 10s);
+  ASSERT_EQ(flushed.size(), depth);
+  for (auto& c : flushed) EXPECT_EQ(c.status, WcStatus::work_request_flushed);
 }

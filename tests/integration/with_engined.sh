@@ -13,6 +13,13 @@ sock=$dir/engined.sock
 daemon=$!
 i=0
 while [ ! -S "$sock" ] && [ $i -lt 200 ]; do sleep 0.05; i=$((i + 1)); done
+if [ ! -S "$sock" ]; then
+  echo "with_engined.sh: stellar-engined did not come up in 10 s; its log:" >&2
+  cat "$dir/log" >&2
+  kill "$daemon" 2>/dev/null
+  rm -rf "$dir"
+  exit 1
+fi
 STELLAR_ENGINE=daemon STELLAR_ENGINED_SOCKET=$sock "$@"
 rc=$?
 if ! kill -0 "$daemon" 2>/dev/null; then

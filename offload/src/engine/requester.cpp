@@ -52,24 +52,12 @@ PostResult Requester::post_send(const SendWork& work) {
     flush_one_send(work);
     return PostResult::ok;
   }
-  if (work.segment_count > max_segments) return PostResult::invalid_argument;
+  if (const PostResult shape = check_send_work(work, config); shape != PostResult::ok) return shape;
+  if (sq_count_ == config.max_send_wr) return PostResult::queue_full;
   uint64_t length = 0;
   for (uint32_t i = 0; i < work.segment_count; ++i) length += work.segments[i].length;
-  if (length > (1ull << 31)) return PostResult::invalid_argument;
-  if (is_atomic(work.opcode) &&
-      (work.segment_count != 1 || work.segments[0].length != 8 || work.remote_addr % 8 != 0))
-    return PostResult::invalid_argument;
-  if (work.inline_data && (length > max_inline_bytes || needs_response(work.opcode)))
-    return PostResult::invalid_argument;
-  if (sq_count_ == config.max_send_wr) return PostResult::queue_full;
   const uint32_t packets = is_atomic(work.opcode) ? 1 : std::max<uint32_t>(1, uint32_t((length + config.mtu - 1) / config.mtu));
-  // PSN comparisons (diff) hold within half the PSN space: the PSNs from the
-  // oldest unacknowledged one to the end of this WR must span less than a
-  // quarter of it (2^22 in roce mode, whose PSNs have 24 bits; e.g. 2 GiB at
-  // a 256-byte MTU is 2^23). A READ larger than half the window is asked
-  // for in pieces (read_request_packets).
   const uint32_t max_span = (ctx_.psn.mask >> 2) + 1;
-  if (packets > max_span) return PostResult::invalid_argument;
   if (uint64_t(uint32_t(diff(assign_psn_, window_.una))) + packets > max_span) return PostResult::queue_full;
 
   const uint32_t index = (sq_head_ + sq_count_) % config.max_send_wr;
@@ -633,3 +621,29 @@ uint64_t Requester::next_wakeup_ns(uint64_t now) const {
 }
 
 }  // namespace stellar::offload::detail
+
+namespace stellar::offload {
+
+PostResult check_send_work(const SendWork& work, const EngineConfig& config) {
+  if (work.segment_count > max_segments) return PostResult::invalid_argument;
+  uint64_t length = 0;
+  for (uint32_t i = 0; i < work.segment_count; ++i) length += work.segments[i].length;
+  if (length > (1ull << 31)) return PostResult::invalid_argument;
+  if (detail::is_atomic(work.opcode) &&
+      (work.segment_count != 1 || work.segments[0].length != 8 || work.remote_addr % 8 != 0))
+    return PostResult::invalid_argument;
+  if (work.inline_data && (length > max_inline_bytes || detail::needs_response(work.opcode)))
+    return PostResult::invalid_argument;
+  if (config.mtu == 0) return PostResult::invalid_argument;
+  const uint64_t packets = detail::is_atomic(work.opcode) ? 1 : std::max<uint64_t>(1, (length + config.mtu - 1) / config.mtu);
+  // PSN comparisons (diff) hold within half the PSN space: the PSNs from the
+  // oldest unacknowledged one to the end of this WR must span less than a
+  // quarter of it (2^22 in roce mode, whose PSNs have 24 bits; e.g. 2 GiB at
+  // a 256-byte MTU is 2^23). A READ larger than half the window is asked
+  // for in pieces (read_request_packets).
+  const uint32_t psn_mask = config.mode == Mode::roce ? 0xffffff : 0xffffffff;
+  const uint64_t max_span = (psn_mask >> 2) + 1;
+  return packets > max_span ? PostResult::invalid_argument : PostResult::ok;
+}
+
+}  // namespace stellar::offload

@@ -236,6 +236,14 @@ size_t flatten(const TxBuffer&, uint8_t* out, size_t capacity);
 
 enum class PostResult : uint8_t { ok, queue_full, invalid_argument, qp_in_error };
 
+// Whether a QP with `config` could ever take `work` (its shape: segments,
+// length at most 2^31, atomics' 8 aligned bytes, inline limits, a PSN span
+// under a quarter of the PSN space): ok or invalid_argument. Room is not
+// looked at. QpEngine::post_send applies it; a host whose engine is
+// elsewhere (the daemon's client) applies it before sending the WR away, so
+// that a malformed post fails synchronously in every placement.
+PostResult check_send_work(const SendWork&, const EngineConfig&);
+
 class QpEngine {
  public:
   // Allocates every ring it will ever use. The references must outlive it.
