@@ -366,8 +366,7 @@ class Session final : public HostClient {
     off::Completion c;
     c.wr_id = wr_id;
     c.status = status;
-    c.opcode = receive ? off::CompletionOpcode::receive : off::CompletionOpcode::send;
-    if (!receive && opcode == off::WorkOpcode::rdma_read) c.opcode = off::CompletionOpcode::rdma_read;
+    c.opcode = receive ? off::CompletionOpcode::receive : off::completion_opcode(opcode);
     c.qp_number = uint32_t(qp.key);
     qp.deliver(c);
   }

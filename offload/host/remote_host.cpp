@@ -478,14 +478,7 @@ void RemoteHost::flush_everything_locked() {
       off::Completion c;
       c.wr_id = s;
       c.status = off::CompletionStatus::work_request_flushed;
-      switch (off::WorkOpcode(e->send_opcodes[s % e->send_opcodes.size()])) {
-        case off::WorkOpcode::rdma_write:
-        case off::WorkOpcode::rdma_write_with_imm: c.opcode = off::CompletionOpcode::rdma_write; break;
-        case off::WorkOpcode::rdma_read: c.opcode = off::CompletionOpcode::rdma_read; break;
-        case off::WorkOpcode::atomic_fetch_add: c.opcode = off::CompletionOpcode::fetch_add; break;
-        case off::WorkOpcode::atomic_compare_swap: c.opcode = off::CompletionOpcode::compare_swap; break;
-        default: c.opcode = off::CompletionOpcode::send; break;
-      }
+      c.opcode = off::completion_opcode(off::WorkOpcode(e->send_opcodes[s % e->send_opcodes.size()]));
       c.qp_number = e->qpn;
       e->sends_completed = s;
       e->sink->deliver(c);

@@ -247,19 +247,6 @@ inline uint8_t message_opcode(uint8_t first_opcode, bool first, bool last, bool 
   return uint8_t(first_opcode + 1);
 }
 
-inline CompletionOpcode completion_opcode(WorkOpcode op) {
-  switch (op) {
-    case WorkOpcode::send:
-    case WorkOpcode::send_with_imm: return CompletionOpcode::send;
-    case WorkOpcode::rdma_write:
-    case WorkOpcode::rdma_write_with_imm: return CompletionOpcode::rdma_write;
-    case WorkOpcode::rdma_read: return CompletionOpcode::rdma_read;
-    case WorkOpcode::atomic_fetch_add: return CompletionOpcode::fetch_add;
-    case WorkOpcode::atomic_compare_swap: return CompletionOpcode::compare_swap;
-  }
-  return CompletionOpcode::send;
-}
-
 inline bool is_atomic(WorkOpcode op) { return op == WorkOpcode::atomic_fetch_add || op == WorkOpcode::atomic_compare_swap; }
 inline bool needs_response(WorkOpcode op) { return op == WorkOpcode::rdma_read || is_atomic(op); }
 inline bool consumes_receive(WorkOpcode op) {

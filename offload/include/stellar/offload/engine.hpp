@@ -234,6 +234,20 @@ struct EngineCounters {
 // its length, 0 if `capacity` is too small. For tests and tools.
 size_t flatten(const TxBuffer&, uint8_t* out, size_t capacity);
 
+// The completion a work request of opcode `op` produces.
+inline CompletionOpcode completion_opcode(WorkOpcode op) {
+  switch (op) {
+    case WorkOpcode::send:
+    case WorkOpcode::send_with_imm: return CompletionOpcode::send;
+    case WorkOpcode::rdma_write:
+    case WorkOpcode::rdma_write_with_imm: return CompletionOpcode::rdma_write;
+    case WorkOpcode::rdma_read: return CompletionOpcode::rdma_read;
+    case WorkOpcode::atomic_fetch_add: return CompletionOpcode::fetch_add;
+    case WorkOpcode::atomic_compare_swap: return CompletionOpcode::compare_swap;
+  }
+  return CompletionOpcode::send;
+}
+
 enum class PostResult : uint8_t { ok, queue_full, invalid_argument, qp_in_error };
 
 // Whether a QP with `config` could ever take `work` (its shape: segments,
