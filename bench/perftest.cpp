@@ -102,12 +102,16 @@ struct Side {
   uint64_t receives_consumed = 0;  // latency runs: receives the finished sizes' messages used
   std::vector<WorkCompletion> wc = std::vector<WorkCompletion>(64);
 
-  // Polls once (adaptive: waits up to 1 ms, sleeping after the spin time);
-  // fails the program on any error completion.
-  int poll(std::vector<WorkCompletion>& out) {
+  // Polls once (adaptive: waits up to `timeout`, sleeping after the spin
+  // time); fails the program on any error completion. Every adaptive wait
+  // spins before it sleeps, so a loop that only needs to look around now and
+  // then passes a long timeout: re-entering a 1 ms wait burns a spin per
+  // millisecond, which an idle server or a client waiting on 1 MiB
+  // completions would be charged for in the CPU accounting.
+  int poll(std::vector<WorkCompletion>& out, std::chrono::milliseconds timeout = std::chrono::milliseconds(1)) {
     int n = 0;
     if (o.wait == "adaptive") {
-      auto r = cq->wait(out, std::chrono::milliseconds(1));
+      auto r = cq->wait(out, timeout);
       n = r.ok() ? *r : 0;
     } else {
       n = cq->poll(out);
@@ -277,7 +281,7 @@ void serve_until_done(Side& side) {
   uint64_t last_rx = side.ctx->counters().rx_packets;
   auto last_heard = Clock::now(), next_check = last_heard + std::chrono::seconds(1);
   while (!side.peer_done) {
-    const int n = side.poll(side.wc);
+    const int n = side.poll(side.wc, std::chrono::milliseconds(100));  // the idle check runs once a second
     for (int i = 0; i < n; ++i) {
       const WorkCompletion& c = side.wc[size_t(i)];
       if (c.opcode == WcOpcode::recv || c.opcode == WcOpcode::recv_rdma_with_imm) {
@@ -429,7 +433,7 @@ BandwidthRow bandwidth_run(Side& side, uint64_t size) {
         ++posted;
       }
     }
-    const int n = side.poll(side.wc);
+    const int n = side.poll(side.wc, std::chrono::milliseconds(10));  // returns at the first completion
     for (int i = 0; i < n; ++i) {
       --in_flight[side.wc[size_t(i)].wr_id];
       ++completed;
