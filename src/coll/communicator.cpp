@@ -621,7 +621,10 @@ Status Comm::post_control(Peer& p, uint32_t imm) {
 
 Status Comm::pump(const Peer* waiting_for, const char* what) {
   WorkCompletion wcs[64];
-  auto n = cq_->wait(wcs, std::chrono::milliseconds(1));
+  // Returns at the first completion; the timeout only paces the no-progress
+  // check. An adaptive wait spins before it sleeps, so a short timeout here
+  // would burn a spin per re-entry while a rank waits on its peer.
+  auto n = cq_->wait(wcs, std::chrono::milliseconds(20));
   if (!n) {
     if (n.status().code() != Errc::timeout) return fail(n.status());
     if (Clock::now() - last_progress_ > options_.timeout)
