@@ -41,7 +41,11 @@ std::vector<uint8_t> pattern(size_t n, uint32_t seed) {
 ContextOptions options_for(Mode mode, bool faults) {
   ContextOptions o;
   o.mode = mode;
-  if (faults) o.faults = FaultOptions{0.02, 0.02, 0.02, 0};
+  // A fixed seed: with a random one, a run that happened to drop none of the
+  // few hundred datagrams (one in a few hundred runs) failed the test's
+  // "faults were injected" check. The same seed gives the same fates to the
+  // first datagrams, so the first drops always happen.
+  if (faults) o.faults = FaultOptions{0.02, 0.02, 0.02, 0x5eed};
   return o;
 }
 
