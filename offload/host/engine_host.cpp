@@ -22,10 +22,10 @@ uint64_t monotonic_ns() {
 void accumulate(off::EngineCounters& sum, const off::EngineCounters& e) {
   // Every field: the host's sum is what ContextCounters and a future
   // daemon's statistics are built from.
-  static_assert(sizeof(off::EngineCounters) == 24 * sizeof(uint64_t), "a counter was added: sum it here");
+  static_assert(sizeof(off::EngineCounters) == 25 * sizeof(uint64_t), "a counter was added: sum it here");
   sum.tx_packets += e.tx_packets, sum.tx_bytes += e.tx_bytes, sum.rx_packets += e.rx_packets, sum.rx_bytes += e.rx_bytes;
   sum.retransmitted_packets += e.retransmitted_packets, sum.timeouts += e.timeouts, sum.fast_retransmits += e.fast_retransmits;
-  sum.tail_probes += e.tail_probes, sum.spurious_timeouts += e.spurious_timeouts;
+  sum.tail_probes += e.tail_probes, sum.spurious_timeouts += e.spurious_timeouts, sum.spurious_retransmits += e.spurious_retransmits;
   sum.acks_sent += e.acks_sent, sum.naks_sent += e.naks_sent, sum.rnr_naks_sent += e.rnr_naks_sent;
   sum.rnr_naks_received += e.rnr_naks_received, sum.sequence_naks_received += e.sequence_naks_received;
   sum.duplicates += e.duplicates, sum.out_of_window += e.out_of_window, sum.out_of_order += e.out_of_order;

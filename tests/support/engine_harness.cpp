@@ -35,6 +35,7 @@ void Channel::send(const uint8_t* data, size_t length, uint64_t now) {
     d.bytes[at(rng_)] ^= uint8_t(1u << (rng_() % 8));
   }
   if (chance(faults_.reorder)) d.due += faults_.delay_ns * 3 + 5'000;  // overtaken by later ones
+  if (faults_.slow_every && ++sent_ % faults_.slow_every == 0) d.due += faults_.slow_extra_ns;
   if (chance(faults_.duplicate)) queue_.push_back(Datagram{d.bytes, d.due + 1'000});
   queue_.push_back(std::move(d));
 }

@@ -56,6 +56,10 @@ struct ChannelFaults {
   uint64_t delay_ns = 2'000;       // one-way base delay
   uint64_t jitter_ns = 0;          // extra uniform delay
   uint64_t spacing_ns = 0;         // serialisation: datagrams leave at least this far apart
+  // Two paths: every slow_every-th datagram takes one slow_extra_ns longer
+  // (0: one path). Later datagrams on the fast path overtake it.
+  uint32_t slow_every = 0;
+  uint64_t slow_extra_ns = 0;
 };
 
 // One direction of the simulated link.
@@ -94,6 +98,7 @@ class Channel {
   std::mt19937_64 rng_;
   std::deque<Datagram> queue_;
   uint64_t last_departure_ = 0;
+  uint64_t sent_ = 0;
 };
 
 // Side A and side B of one connection.

@@ -22,7 +22,6 @@
 namespace stellar::offload::detail {
 
 inline constexpr uint64_t never = std::numeric_limits<uint64_t>::max();
-inline constexpr uint32_t duplicate_threshold = 3;  // later packets acknowledged before a hole counts as lost
 inline constexpr uint32_t pending_capacity = 16;     // stellar: READ/atomic requests that arrived ahead of a gap
 inline constexpr uint32_t control_capacity = 256;
 inline constexpr uint32_t atomic_replay_capacity = 32;
@@ -43,7 +42,8 @@ struct PsnSpace {
 // Per-PSN state of what the requester sent. slot_response: the packet belongs
 // to a READ or atomic, whose response (not an ACK) is the evidence that it
 // arrived; set once, when the slot is first used, so that loss recovery need
-// not look at the send queue.
+// not look at the send queue. slot_reordered: loss detection (not a timer)
+// declared the packet lost; an early ACK of its resend proves reordering.
 enum SlotFlags : uint8_t {
   slot_sent = 1,
   slot_done = 2,
@@ -51,6 +51,7 @@ enum SlotFlags : uint8_t {
   slot_retransmitted = 8,
   slot_in_flight = 16,
   slot_response = 32,
+  slot_reordered = 64,
 };
 
 struct Slot {

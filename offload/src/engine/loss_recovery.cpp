@@ -6,7 +6,7 @@ namespace stellar::offload::detail {
 LossRecovery::LossRecovery(Context& ctx, SentWindow& window, CongestionControl& cc)
     : ctx_(ctx), window_(window), cc_(cc), lost_(ctx.config.window_packets) {
   const uint32_t first = ctx_.config.send_psn & ctx_.psn.mask;
-  highest_done_ = highest_response_done_ = loss_scan_ = first;
+  loss_scan_ = first;
   last_response_psn_ = add(first, ctx_.psn.mask);  // first - 1
   rto_ = ctx_.config.rto_initial_ns;
 }
@@ -17,11 +17,36 @@ void LossRecovery::on_packet_done(uint32_t psn, const Slot& s, uint64_t now, uin
     ++ctx_.counters.spurious_timeouts;
     cc_.on_spurious_timeout(now);
   }
-  if (!(s.flags & slot_retransmitted) && (s.flags & slot_sent)) rtt_sample = now - s.sent_ns;
+  if (!(s.flags & slot_sent)) return;
+  const uint64_t elapsed = now - s.sent_ns;
   // READ/atomic responses and ACKs of writes/sends are separate evidence:
   // a WRITE acknowledged after a READ says nothing about the READ's data.
-  uint32_t& highest = (s.flags & slot_response) ? highest_response_done_ : highest_done_;
-  if (diff(add(psn, 1), highest) > 0) highest = add(psn, 1);
+  Delivered& d = delivered_[(s.flags & slot_response) ? 1 : 0];
+  if (!(s.flags & slot_retransmitted)) {
+    rtt_sample = elapsed;
+    min_rtt_ = std::min(min_rtt_, elapsed);
+    // Overtaken by a packet sent after it, and acknowledged anyway: the
+    // reordering window must cover this much lateness.
+    if (d.valid && s.sent_ns < d.sent_ns && elapsed > d.rtt_ns) reorder_seen_ns_ = std::max(reorder_seen_ns_, elapsed - d.rtt_ns);
+  } else if (elapsed < min_rtt_ / 2 && (s.flags & slot_reordered)) {
+    // Acknowledged sooner than any packet could make the round trip after
+    // its resend: the original arrived, the resend was spurious. Its send
+    // time is the resend's, so it is no evidence either (RFC 8985, 6.2).
+    // Half the minimum: a send time is when the engine handed a batch over,
+    // so the minimum RTT can include a batch's serialisation, and a lone
+    // resend goes round faster than that.
+    ++ctx_.counters.spurious_retransmits;
+    reorder_steps_ = std::min<uint32_t>(reorder_steps_ * 2, 1u << 16);
+    recoveries_since_spurious_ = 0;
+    return;
+  }
+  if (!d.valid || s.sent_ns > d.sent_ns || (s.sent_ns == d.sent_ns && diff(psn, d.psn) > 0)) d = Delivered{true, s.sent_ns, psn, elapsed};
+}
+
+uint64_t LossRecovery::reorder_window() const {
+  if (min_rtt_ == never) return 0;
+  const uint64_t window = std::max(uint64_t(reorder_steps_) * (min_rtt_ / 4), reorder_seen_ns_ + reorder_seen_ns_ / 8);
+  return srtt_ ? std::min(window, srtt_ + 4 * rttvar_) : window;
 }
 
 void LossRecovery::on_acknowledgement(uint64_t now, uint64_t rtt, uint64_t bytes, uint64_t host_delay) {
@@ -33,7 +58,7 @@ void LossRecovery::on_acknowledgement(uint64_t now, uint64_t rtt, uint64_t bytes
     consecutive_timeouts_ = 0;
     rto_ = rto_base();
   }
-  detect_losses();
+  detect_losses(now);
 }
 
 void LossRecovery::on_una_advanced() {
@@ -42,8 +67,6 @@ void LossRecovery::on_una_advanced() {
   if (recovering_ && diff(una, recovery_psn_) > 0) recovering_ = false;  // the gap is filled
   if (diff(una, last_response_psn_) > 0) last_response_psn_ = add(una, ctx_.psn.mask);
   if (diff(una, loss_scan_) > 0) loss_scan_ = una;
-  if (diff(una, highest_done_) > 0) highest_done_ = una;
-  if (diff(una, highest_response_done_) > 0) highest_response_done_ = una;
 }
 
 void LossRecovery::rearm(uint64_t now, bool una_advanced, bool bytes_acknowledged) {
@@ -79,27 +102,44 @@ bool LossRecovery::response_missing(uint32_t p, bool from_response, uint32_t evi
   return true;
 }
 
-void LossRecovery::detect_losses() {
+// RACK (RFC 8985, 6.2): a packet sent before the last-sent packet that was
+// acknowledged is lost once that packet's RTT plus the reordering window has
+// passed since its own send; until then it is undecided, and the reorder
+// timer fires when the earliest undecided one's time is up.
+void LossRecovery::detect_losses(uint64_t now) {
+  reorder_deadline_ = never;
   if (ctx_.config.mode != Mode::stellar) return;
-  const uint32_t una = window_.una;
-  const uint32_t highest = diff(highest_done_, highest_response_done_) > 0 ? highest_done_ : highest_response_done_;
-  if (diff(highest, add(una, duplicate_threshold)) <= 0) return;
-  const uint32_t limit = (highest - duplicate_threshold) & ctx_.psn.mask;
-  uint32_t p = diff(loss_scan_, una) > 0 ? loss_scan_ : una;
-  bool undecided = false;  // the scan cursor stops at the first slot that may still be lost later
-  for (; diff(p, limit) < 0; p = add(p, 1)) {
+  if (!delivered_[0].valid && !delivered_[1].valid) return;
+  const uint64_t window = reorder_window();
+  // First transmissions leave in PSN order, so past the first one sent after
+  // every piece of evidence nothing more can be judged.
+  // (A batch shares one send time: among equals, PSN order decides.)
+  const Delivered& newest = !delivered_[1].valid ? delivered_[0]
+                            : !delivered_[0].valid ? delivered_[1]
+                            : (delivered_[1].sent_ns > delivered_[0].sent_ns ||
+                               (delivered_[1].sent_ns == delivered_[0].sent_ns && diff(delivered_[1].psn, delivered_[0].psn) > 0))
+                                ? delivered_[1]
+                                : delivered_[0];
+  uint32_t p = diff(loss_scan_, window_.una) > 0 ? loss_scan_ : window_.una;
+  bool undecided = false;  // the scan cursor stops at the first packet that may still be lost later
+  for (; diff(p, window_.max_sent) < 0; p = add(p, 1)) {
     Slot& s = window_.slot(p);
     if ((s.flags & (slot_sent | slot_done | slot_lost)) != slot_sent) {
       if (!undecided) loss_scan_ = add(p, 1);
       continue;
     }
-    const uint32_t evidence = (s.flags & slot_response) ? highest_response_done_ : highest_done_;
-    if (diff(evidence, add(p, duplicate_threshold)) > 0) {
+    if (!(s.flags & slot_retransmitted) && (s.sent_ns > newest.sent_ns || (s.sent_ns == newest.sent_ns && diff(p, newest.psn) > 0))) break;
+    const Delivered& d = delivered_[(s.flags & slot_response) ? 1 : 0];
+    const bool sent_before = d.valid && (s.sent_ns < d.sent_ns || (s.sent_ns == d.sent_ns && diff(p, d.psn) < 0));
+    const uint64_t due = s.sent_ns + d.rtt_ns + window;
+    if (sent_before && now >= due) {
       queue_lost(p);
+      s.flags |= slot_reordered;
       if (!undecided) loss_scan_ = add(p, 1);
-    } else {
-      undecided = true;
+      continue;
     }
+    undecided = true;
+    if (sent_before) reorder_deadline_ = std::min(reorder_deadline_, due);
   }
 }
 
@@ -107,7 +147,7 @@ void LossRecovery::queue_lost(uint32_t psn) {
   Slot& s = window_.slot(psn);
   if (s.flags & (slot_lost | slot_done)) return;
   if (lost_count_ == lost_.size()) return;
-  s.flags |= slot_lost;
+  s.flags = uint8_t((s.flags | slot_lost) & ~slot_reordered);  // detect_losses marks its own
   window_.leave_flight(s);
   lost_[(lost_head_ + lost_count_) % lost_.size()] = psn;
   ++lost_count_;
@@ -146,6 +186,15 @@ uint32_t LossRecovery::lost_run(uint32_t psn, uint32_t limit) const {
 
 void LossRecovery::retransmitted(uint32_t psn, uint32_t used, uint64_t now) {
   if (psn == window_.una) rto_deadline_ = now + rto_;  // as TCP: the timer restarts with the head's retransmission
+  // A resend can be lost too: loss detection judges it again, by its new send time.
+  if (diff(psn, loss_scan_) < 0) loss_scan_ = psn;
+  // Resends without a spurious one: after 16 of them the reordering window
+  // shrinks back a step (RFC 8985, 6.2 step 4, counts recoveries).
+  if (++recoveries_since_spurious_ >= 16) {
+    reorder_steps_ = std::max<uint32_t>(reorder_steps_ / 2, 1);
+    reorder_seen_ns_ /= 2;
+    recoveries_since_spurious_ = 0;
+  }
   lost_head_ = (lost_head_ + used) % lost_.size();
   lost_count_ -= used;
 }
@@ -241,6 +290,7 @@ void LossRecovery::stop() {
   lost_count_ = 0;
   rto_deadline_ = never;
   probe_deadline_ = never;
+  reorder_deadline_ = never;
 }
 
 }  // namespace stellar::offload::detail

@@ -2,9 +2,23 @@
 //
 // Owns: the lost ring (stellar: PSNs to retransmit, in order), the
 // retransmission timer (RTO) and the tail-loss probe, the RTT estimate
-// (srtt, rttvar, rto), duplicate-threshold loss detection (the evidence:
-// the highest PSNs acknowledged), spurious-timeout undo, and the roce
-// go-back-N recovery state of READ/atomic responses.
+// (srtt, rttvar, rto), time-based loss detection (stellar: RACK, RFC 8985),
+// spurious-timeout undo, and the roce go-back-N recovery state of
+// READ/atomic responses.
+//
+// Loss detection counts time, not packets: a packet is lost when one sent
+// after it was acknowledged and it is itself still unacknowledged one RTT
+// (that packet's) plus a reordering window after it was sent. Packets
+// sprayed over paths of different delays arrive out of order by as many
+// packets as the delay difference holds (thousands at a high rate), which
+// a packet-count threshold would take for loss; a time window does not.
+// The window is the larger of two estimates, capped at about an RTO: a
+// number of quarters of the minimum RTT (one at first, doubled by every
+// retransmission that proves spurious: the original's ACK arrived sooner
+// than the minimum RTT after the resend), and the reordering seen (how much
+// later than the evidence's RTT a packet sent before it was acknowledged
+// without a resend: the delay spread of the paths). Both shrink back after
+// 16 resends without a spurious one.
 //
 // May call: the SentWindow (read slots; take packets it declares lost out of
 // flight), congestion control (on_ack, on_timeout, on_spurious_timeout) and
@@ -37,7 +51,7 @@ class LossRecovery {
   // One packet's acknowledgements are applied (before una advances): the RTT
   // sample (0: none) and bytes newly acknowledged (0: none) feed the estimate
   // and congestion control, `host_delay` being the share of the sample spent
-  // in hosts; then duplicate-threshold loss detection runs.
+  // in hosts; then loss detection runs.
   void on_acknowledgement(uint64_t now, uint64_t rtt, uint64_t bytes, uint64_t host_delay);
   // una moved: keeps the cursors inside the window so PSN arithmetic stays valid.
   void on_una_advanced();
@@ -59,6 +73,9 @@ class LossRecovery {
   enum class Timeout { retransmit, go_back, retry_exceeded };
   bool timeout_due(uint64_t now) const { return rto_deadline_ <= now && !window_.idle(); }
   bool probe_due(uint64_t now) const { return probe_deadline_ <= now && !window_.idle(); }
+  // stellar: a packet's reordering window ran out: loss detection runs again.
+  bool reorder_due(uint64_t now) const { return reorder_deadline_ <= now && !window_.idle(); }
+  void on_reorder_timer(uint64_t now) { detect_losses(now); }
   // The retransmission timer fired. stellar: everything outstanding is
   // queued as lost (retransmit); roce: the requester goes back to una
   // (go_back); after retry_count timeouts without progress: retry_exceeded
@@ -71,7 +88,7 @@ class LossRecovery {
   void restart_timer(uint64_t now) { rto_deadline_ = now + rto_; }
   void restart_timer_after(uint64_t until) { rto_deadline_ = until + rto_; }
   // The earliest timer (only meaningful while something is outstanding).
-  uint64_t deadline() const { return std::min(rto_deadline_, probe_deadline_); }
+  uint64_t deadline() const { return std::min({rto_deadline_, probe_deadline_, reorder_deadline_}); }
   // The QP entered ERROR: nothing is retransmitted, no timer runs.
   void stop();
 
@@ -94,13 +111,15 @@ class LossRecovery {
 
   uint64_t rto() const { return rto_; }
   uint64_t srtt() const { return srtt_; }
+  // The reordering window loss detection allows now (ns).
+  uint64_t reorder_window() const;
 
  private:
   uint32_t add(uint32_t p, uint32_t n) const { return ctx_.add(p, n); }
   int32_t diff(uint32_t a, uint32_t b) const { return ctx_.diff(a, b); }
   uint64_t rto_base() const;
   void update_rtt(uint64_t sample);
-  void detect_losses();
+  void detect_losses(uint64_t now);
   void arm_probe(uint64_t now);
 
   Context& ctx_;
@@ -113,10 +132,24 @@ class LossRecovery {
   uint64_t rto_ = 0;
   uint64_t srtt_ = 0, rttvar_ = 0;
   uint32_t consecutive_timeouts_ = 0;
-  // Loss detection (stellar): the evidence and the scan cursor.
-  uint32_t highest_done_ = 0;           // one past the highest WRITE/SEND PSN done
-  uint32_t highest_response_done_ = 0;  // the same for READ/atomic PSNs (their responses)
-  uint32_t loss_scan_ = 0;
+  // Loss detection (stellar). The evidence, per kind of acknowledgement
+  // (0: ACKs of WRITE/SEND packets, 1: READ/atomic responses, which come
+  // later than ACKs of what was sent after them and so are separate
+  // evidence): of the packets acknowledged, the one sent last (its send time
+  // and PSN, ties broken by PSN: a batch shares one time) and its RTT.
+  struct Delivered {
+    bool valid = false;
+    uint64_t sent_ns = 0;
+    uint32_t psn = 0;
+    uint64_t rtt_ns = 0;
+  };
+  Delivered delivered_[2];
+  uint64_t min_rtt_ = never;            // over first transmissions' samples
+  uint64_t reorder_deadline_ = never;   // the earliest undecided packet's window ends
+  uint32_t reorder_steps_ = 1;          // the window in quarters of min_rtt_
+  uint64_t reorder_seen_ns_ = 0;        // the largest lateness of a packet overtaken by a later one
+  uint32_t recoveries_since_spurious_ = 0;
+  uint32_t loss_scan_ = 0;              // no undecided packet below it
   // roce go-back-N recovery of READ/atomic responses: after asking again from
   // recovery_psn, responses past it keep arriving from the stream the
   // responder was sending before it got the re-request (and its queue). They

@@ -422,6 +422,7 @@ void Requester::on_timers(uint64_t now) {
     }
   }
   if (!ctx_.error && recovery_.probe_due(now)) recovery_.on_probe(now);
+  if (!ctx_.error && recovery_.reorder_due(now)) recovery_.on_reorder_timer(now);
 }
 
 bool Requester::may_send_request(uint64_t now, uint32_t bytes) const {

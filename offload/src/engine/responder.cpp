@@ -154,11 +154,17 @@ void Responder::execute(const Header& h, uint64_t now, bool out_of_order) {
   uint32_t consumed = 1;
   const Outcome outcome = apply_request(h, now, consumed);
   switch (outcome) {
-    case Outcome::accepted:
+    case Outcome::accepted: {
+      // Out of order: SACK news. Filling a gap (epsn jumps past packets that
+      // came ahead of it): the requester is timing the hole (loss detection
+      // by time), so a delayed ACK would make a late packet look lost.
+      // Either way, tell the requester at once, as TCP does (RFC 5681, 4.2).
+      const uint32_t before = epsn_;
       mark_received(h.psn, consumed);
-      schedule_ack(now, out_of_order);  // out of order: SACK news, tell the requester at once
+      schedule_ack(now, out_of_order || diff(epsn_, add(before, consumed)) > 0);
       complete_receives();
       break;
+    }
     case Outcome::nak: break;
     case Outcome::rnr:
       ++ctx_.counters.rnr_naks_sent;

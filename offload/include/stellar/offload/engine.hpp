@@ -213,6 +213,10 @@ struct EngineCounters {
   uint64_t tx_packets = 0, tx_bytes = 0, rx_packets = 0, rx_bytes = 0;
   uint64_t retransmitted_packets = 0, timeouts = 0, fast_retransmits = 0, tail_probes = 0;
   uint64_t spurious_timeouts = 0;  // timeouts undone: a packet they declared lost arrived without retransmission
+  // stellar: packets loss detection declared lost and resent whose original
+  // was acknowledged after all (the ACK came sooner than the minimum RTT
+  // after the resend); each one widens the reordering window.
+  uint64_t spurious_retransmits = 0;
   uint64_t acks_sent = 0, naks_sent = 0, rnr_naks_sent = 0, rnr_naks_received = 0, sequence_naks_received = 0;
   uint64_t duplicates = 0;          // requests already seen (re-acknowledged)
   uint64_t out_of_window = 0;       // PSN outside the acceptance window: dropped
