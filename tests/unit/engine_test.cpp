@@ -2,6 +2,7 @@
 // delivery and exact completions for every opcode, both modes, loss up to 10%.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -1158,22 +1159,25 @@ TEST(EngineRoceRead, LossyLargeReadCompletesWithoutADuplicateStorm) {
 
 namespace {
 
-// One 256 KiB WRITE (64 packets) from A to B on `faults`, with the first
-// copy of PSN send_psn + `lost` dropped (none when lost < 0).
+// One WRITE of `packets` packets from A to B on `faults`, with the first
+// copy of each PSN send_psn + lost[i] dropped.
 struct OneWrite {
   uint64_t retransmitted = 0, timeouts = 0, spurious = 0;
   bool exact = false;
 };
-OneWrite write_once(ChannelFaults faults, int lost) {
+OneWrite write_once(ChannelFaults faults, std::vector<uint32_t> lost, uint32_t packets = 64) {
   Pair p(Mode::stellar, faults, 31);
-  const uint32_t victim = p.a->config().send_psn + uint32_t(lost);
-  bool dropped = false;
+  std::vector<uint32_t> victims;
+  for (uint32_t l : lost) victims.push_back(p.a->config().send_psn + l);
   p.a_to_b.filter = [&](const uint8_t* d, size_t n) {
     Header h;
-    if (lost < 0 || dropped || decode(Mode::stellar, d, n, IcrcAddresses{}, h) != DecodeError::none || h.psn != victim) return false;
-    return dropped = true;
+    if (victims.empty() || decode(Mode::stellar, d, n, IcrcAddresses{}, h) != DecodeError::none) return false;
+    auto it = std::find(victims.begin(), victims.end(), h.psn);
+    if (it == victims.end()) return false;
+    victims.erase(it);
+    return true;
   };
-  std::vector<uint8_t> target(256 * 1024), source = pattern(target.size(), 9);
+  std::vector<uint8_t> target(size_t(packets) * 4096), source = pattern(target.size(), 9);
   SendWork w = make_work(WorkOpcode::rdma_write, 1, source.data(), uint32_t(source.size()));
   w.remote_addr = reinterpret_cast<uint64_t>(target.data());
   w.rkey = p.memory_b.add(target.data(), target.size(), access_remote_write);
@@ -1200,7 +1204,7 @@ TEST(EngineLossDetection, ReorderingByTimeInsideTheWindowIsNotLoss) {
   f.spacing_ns = 25;
   f.slow_every = 4;
   f.slow_extra_ns = 200;
-  const OneWrite r = write_once(f, -1);
+  const OneWrite r = write_once(f, {});
   EXPECT_TRUE(r.exact);
   EXPECT_EQ(r.retransmitted, 0u);
   EXPECT_EQ(r.timeouts, 0u);
@@ -1211,9 +1215,23 @@ TEST(EngineLossDetection, ReorderingByTimeInsideTheWindowIsNotLoss) {
 TEST(EngineLossDetection, ALostPacketIsResentByTheReorderTimerNotTheTimeout) {
   ChannelFaults f;
   f.spacing_ns = 100;
-  const OneWrite r = write_once(f, 5);
+  const OneWrite r = write_once(f, {5});
   EXPECT_TRUE(r.exact);
   EXPECT_EQ(r.retransmitted, 1u);
   EXPECT_EQ(r.timeouts, 0u);
   EXPECT_EQ(r.spurious, 0u);
+}
+
+// Two holes further apart than the SACK's 64-PSN reach: packets past the
+// reach behind the first hole arrive without being acknowledged. When the
+// first hole's resend is acknowledged, its late send time must not condemn
+// them (they are judged only below the highest PSN acknowledged): exactly
+// the two lost packets are resent.
+TEST(EngineLossDetection, AResendsAcknowledgementDoesNotCondemnPacketsPastTheSackReach) {
+  ChannelFaults f;
+  f.spacing_ns = 100;
+  const OneWrite r = write_once(f, {10, 120}, 256);
+  EXPECT_TRUE(r.exact);
+  EXPECT_EQ(r.retransmitted, 2u);
+  EXPECT_EQ(r.timeouts, 0u);
 }

@@ -6,7 +6,7 @@ namespace stellar::offload::detail {
 LossRecovery::LossRecovery(Context& ctx, SentWindow& window, CongestionControl& cc)
     : ctx_(ctx), window_(window), cc_(cc), lost_(ctx.config.window_packets) {
   const uint32_t first = ctx_.config.send_psn & ctx_.psn.mask;
-  loss_scan_ = first;
+  loss_scan_ = highest_done_[0] = highest_done_[1] = first;
   last_response_psn_ = add(first, ctx_.psn.mask);  // first - 1
   rto_ = ctx_.config.rto_initial_ns;
 }
@@ -22,22 +22,25 @@ void LossRecovery::on_packet_done(uint32_t psn, const Slot& s, uint64_t now, uin
   // READ/atomic responses and ACKs of writes/sends are separate evidence:
   // a WRITE acknowledged after a READ says nothing about the READ's data.
   Delivered& d = delivered_[(s.flags & slot_response) ? 1 : 0];
+  uint32_t& highest = highest_done_[(s.flags & slot_response) ? 1 : 0];
+  if (diff(add(psn, 1), highest) > 0) highest = add(psn, 1);
   if (!(s.flags & slot_retransmitted)) {
     rtt_sample = elapsed;
     min_rtt_ = std::min(min_rtt_, elapsed);
-    // Overtaken by a packet sent after it, and acknowledged anyway: the
-    // reordering window must cover this much lateness.
-    if (d.valid && s.sent_ns < d.sent_ns && elapsed > d.rtt_ns) reorder_seen_ns_ = std::max(reorder_seen_ns_, elapsed - d.rtt_ns);
-  } else if (elapsed < min_rtt_ / 2 && (s.flags & slot_reordered)) {
-    // Acknowledged sooner than any packet could make the round trip after
-    // its resend: the original arrived, the resend was spurious. Its send
-    // time is the resend's, so it is no evidence either (RFC 8985, 6.2).
-    // Half the minimum: a send time is when the engine handed a batch over,
-    // so the minimum RTT can include a batch's serialisation, and a lone
-    // resend goes round faster than that.
-    ++ctx_.counters.spurious_retransmits;
-    reorder_steps_ = std::min<uint32_t>(reorder_steps_ * 2, 1u << 16);
-    recoveries_since_spurious_ = 0;
+  } else if (elapsed < min_rtt_) {
+    // A resend acknowledged sooner than the minimum RTT after it: the ACK
+    // may be the original's, so its send time (the resend's) and this RTT
+    // are no evidence (RFC 8985, 6.2 step 2): taken as evidence, the tiny RTT
+    // would declare everything sent before the resend lost at once.
+    // Sooner than half the minimum it surely is the original's, and if loss
+    // detection had declared it lost, the resend was spurious. (Half: a send
+    // time is when the engine handed a batch over, so the minimum RTT can
+    // include a batch's serialisation, and a lone resend goes round faster.)
+    if (elapsed < min_rtt_ / 2 && (s.flags & slot_reordered)) {
+      ++ctx_.counters.spurious_retransmits;
+      reorder_steps_ = std::min<uint32_t>(reorder_steps_ * 2, 1u << 16);
+      recoveries_since_spurious_ = 0;
+    }
     return;
   }
   if (!d.valid || s.sent_ns > d.sent_ns || (s.sent_ns == d.sent_ns && diff(psn, d.psn) > 0)) d = Delivered{true, s.sent_ns, psn, elapsed};
@@ -45,7 +48,7 @@ void LossRecovery::on_packet_done(uint32_t psn, const Slot& s, uint64_t now, uin
 
 uint64_t LossRecovery::reorder_window() const {
   if (min_rtt_ == never) return 0;
-  const uint64_t window = std::max(uint64_t(reorder_steps_) * (min_rtt_ / 4), reorder_seen_ns_ + reorder_seen_ns_ / 8);
+  const uint64_t window = uint64_t(reorder_steps_) * (min_rtt_ / 4);
   return srtt_ ? std::min(window, srtt_ + 4 * rttvar_) : window;
 }
 
@@ -67,6 +70,8 @@ void LossRecovery::on_una_advanced() {
   if (recovering_ && diff(una, recovery_psn_) > 0) recovering_ = false;  // the gap is filled
   if (diff(una, last_response_psn_) > 0) last_response_psn_ = add(una, ctx_.psn.mask);
   if (diff(una, loss_scan_) > 0) loss_scan_ = una;
+  for (uint32_t& h : highest_done_)
+    if (diff(una, h) > 0) h = una;
 }
 
 void LossRecovery::rearm(uint64_t now, bool una_advanced, bool bytes_acknowledged) {
@@ -129,8 +134,10 @@ void LossRecovery::detect_losses(uint64_t now) {
       continue;
     }
     if (!(s.flags & slot_retransmitted) && (s.sent_ns > newest.sent_ns || (s.sent_ns == newest.sent_ns && diff(p, newest.psn) > 0))) break;
-    const Delivered& d = delivered_[(s.flags & slot_response) ? 1 : 0];
-    const bool sent_before = d.valid && (s.sent_ns < d.sent_ns || (s.sent_ns == d.sent_ns && diff(p, d.psn) < 0));
+    const int kind = (s.flags & slot_response) ? 1 : 0;
+    const Delivered& d = delivered_[kind];
+    const bool sent_before = d.valid && diff(p, highest_done_[kind]) < 0 &&
+                             (s.sent_ns < d.sent_ns || (s.sent_ns == d.sent_ns && diff(p, d.psn) < 0));
     const uint64_t due = s.sent_ns + d.rtt_ns + window;
     if (sent_before && now >= due) {
       queue_lost(p);
@@ -192,7 +199,6 @@ void LossRecovery::retransmitted(uint32_t psn, uint32_t used, uint64_t now) {
   // shrinks back a step (RFC 8985, 6.2 step 4, counts recoveries).
   if (++recoveries_since_spurious_ >= 16) {
     reorder_steps_ = std::max<uint32_t>(reorder_steps_ / 2, 1);
-    reorder_seen_ns_ /= 2;
     recoveries_since_spurious_ = 0;
   }
   lost_head_ = (lost_head_ + used) % lost_.size();

@@ -12,13 +12,13 @@
 // sprayed over paths of different delays arrive out of order by as many
 // packets as the delay difference holds (thousands at a high rate), which
 // a packet-count threshold would take for loss; a time window does not.
-// The window is the larger of two estimates, capped at about an RTO: a
-// number of quarters of the minimum RTT (one at first, doubled by every
-// retransmission that proves spurious: the original's ACK arrived sooner
-// than the minimum RTT after the resend), and the reordering seen (how much
-// later than the evidence's RTT a packet sent before it was acknowledged
-// without a resend: the delay spread of the paths). Both shrink back after
-// 16 resends without a spurious one.
+// The window is a number of quarters of the minimum RTT, capped at about an
+// RTO: one at first, doubled by every resend that proves spurious (the ACK
+// came sooner than half the minimum RTT after the resend, so it was the
+// original's), halved back after 16 resends without one. (Learning the
+// window from how late overtaken packets arrive was tried and dropped: a
+// packet past the SACK's reach behind a hole is acknowledged late without
+// being late, and the window grew to the length of every recovery.)
 //
 // May call: the SentWindow (read slots; take packets it declares lost out of
 // flight), congestion control (on_ack, on_timeout, on_spurious_timeout) and
@@ -144,10 +144,14 @@ class LossRecovery {
     uint64_t rtt_ns = 0;
   };
   Delivered delivered_[2];
+  // One past the highest PSN acknowledged, per kind. Only a packet below it
+  // is judged: the SACK reaches 64 PSNs past the cumulative ACK, so a packet
+  // further on may have arrived without anyone saying so, and a resend's
+  // ACK (late evidence) would otherwise condemn all of them at once.
+  uint32_t highest_done_[2] = {0, 0};
   uint64_t min_rtt_ = never;            // over first transmissions' samples
   uint64_t reorder_deadline_ = never;   // the earliest undecided packet's window ends
   uint32_t reorder_steps_ = 1;          // the window in quarters of min_rtt_
-  uint64_t reorder_seen_ns_ = 0;        // the largest lateness of a packet overtaken by a later one
   uint32_t recoveries_since_spurious_ = 0;
   uint32_t loss_scan_ = 0;              // no undecided packet below it
   // roce go-back-N recovery of READ/atomic responses: after asking again from
