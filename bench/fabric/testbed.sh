@@ -25,6 +25,8 @@
 #   set-loss link L S PCT                 drop PCT% on the leaf L–spine S link, each direction
 #   set-rate L H RATE [LIMIT]             tbf on leaf L's downlink to host H (RATE e.g. 1gbit,
 #                                         "off" removes; LIMIT = queue bytes, default 256kb)
+#   set-link-rate L S RATE [LIMIT]        tbf on both directions of the leaf L–spine S link
+#                                         (leaf's uplink and spine's downlink; "off" removes)
 #   counters                              packets forwarded by each spine (rx of its links)
 #   path L1 H1 L2 H2 SPORT DPORT [PROTO]  the spine leaf L1 picks for that flow (udp|tcp)
 set -euo pipefail
@@ -166,11 +168,14 @@ table inet stb {}
 EOF
   in_ns "$ns" nft delete chain inet stb "$key" 2>/dev/null || true
   ((permille > 0)) || return 0
+  # 100%: a blackhole (numgen's "< 1000" would be out of its range).
+  local rule="numgen random mod 1000 < $permille"
+  ((permille < 1000)) || rule=""
   in_ns "$ns" nft -f - <<EOF
 table inet stb {
   chain $key {
     type filter hook forward priority 0; policy accept;
-    $match numgen random mod 1000 < $permille counter drop
+    $match $rule counter drop
   }
 }
 EOF
@@ -195,6 +200,22 @@ cmd_set_loss() {
       set_drop "$(spine "$3")" "loss_l$2" "oifname \"to-l$2\"" "$permille" ;;
     *) die "set-loss spine S PCT | set-loss link L S PCT" ;;
   esac
+}
+
+# tbf on NS/DEV, or off: tbf RATE [LIMIT]
+set_tbf() {
+  if [[ $3 == off ]]; then
+    tc -n "$1" qdisc del dev "$2" root 2> /dev/null || true
+  else
+    tc -n "$1" qdisc replace dev "$2" root tbf rate "$3" burst 64kb limit "${4:-256kb}"
+  fi
+}
+
+cmd_set_link_rate() {
+  require_up
+  (($# >= 3)) || die "set-link-rate L S RATE [LIMIT]"
+  set_tbf "$(leaf "$1")" "to-s$2" "$3" "${4:-256kb}"
+  set_tbf "$(spine "$2")" "to-l$1" "$3" "${4:-256kb}"
 }
 
 cmd_set_rate() {
@@ -253,6 +274,7 @@ case $command in
   restore-link) cmd_link up "$@" ;;
   set-loss) cmd_set_loss "$@" ;;
   set-rate) cmd_set_rate "$@" ;;
+  set-link-rate) cmd_set_link_rate "$@" ;;
   counters) cmd_counters ;;
   path) cmd_path "$@" ;;
   *) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 2 ;;

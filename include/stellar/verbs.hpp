@@ -39,8 +39,15 @@ enum class WaitPolicy {
 };
 enum class CongestionControl { automatic, none, dcqcn, swift };  // automatic: dcqcn for roce, swift for stellar
 
+// How a stellar-mode connection chooses the path of each packet
+// (docs/multipath.md): round robin; REPS (reuse paths whose packets came back
+// clean); power of two choices on expected delay (the default); a UCB1 bandit.
+enum class PathPolicy { oblivious, reps, two_choices, bandit };
+
 const char* to_string(Provider);
 const char* to_string(Mode);
+const char* to_string(PathPolicy);
+Result<PathPolicy> parse_path_policy(const std::string&);  // "oblivious", "reps", "two-choices", "bandit"
 Result<Provider> parse_provider(const std::string&);
 Result<Mode> parse_mode(const std::string&);
 
@@ -78,6 +85,13 @@ struct ContextOptions {
   // socket queues), which NIC-based Swift budgets at about 100 us too.
   std::chrono::nanoseconds cc_target_delay{100'000};
   FaultOptions faults{};                       // merged with the environment at open
+  // soft provider, stellar mode: the paths (entropies: UDP source ports that
+  // ECMP hashes onto routes) each connection sprays its packets over, 1-256,
+  // and how it chooses among them. The context opens one UDP socket per
+  // path. roce mode is always one path. STELLAR_PATHS and STELLAR_PATH_POLICY
+  // override them at open.
+  uint16_t paths = 16;
+  PathPolicy path_policy = PathPolicy::two_choices;
   std::string device;                          // verbs provider: device name, e.g. "mlx5_0" ("" = chosen by bind_address)
 };
 
@@ -280,6 +294,9 @@ struct ContextCounters {
   // serves). 0 inline: the engines run on the application's own threads.
   uint64_t engine_cpu_ns = 0;
   uint64_t daemon_refused_entries = 0;    // daemon: ring entries of this context it refused (malformed)
+  // stellar: resends that proved unneeded (the original arrived late), and
+  // paths taken out of use after losses in a row or a timeout (failover).
+  uint64_t spurious_retransmits = 0, paths_retired = 0;
 };
 
 class Context : public std::enable_shared_from_this<Context> {

@@ -570,6 +570,7 @@ Reply Session::open_locked(const OpenRequest& r, std::vector<int>& fds) {
   if (r.udp_port != 0 && r.udp_port < 1024 && credentials_.uid != 0) return refuse("ports below 1024 are for root's contexts");
   if (r.mode > uint8_t(off::Mode::roce)) return refuse("unknown mode");
   if (r.mtu < 256 || r.mtu > 16384) return refuse("mtu outside [256, 16384]");
+  if (r.paths < 1 || r.paths > off::max_paths) return refuse("paths outside [1, 256]");
   for (double p : {r.drop, r.duplicate, r.reorder})
     if (!(p >= 0 && p <= 1)) return refuse("fault probabilities must be in [0, 1]");
 
@@ -580,6 +581,7 @@ Reply Session::open_locked(const OpenRequest& r, std::vector<int>& fds) {
   h.udp_port = r.udp_port;
   h.mode = off::Mode(r.mode);
   h.mtu = r.mtu;
+  h.paths = h.mode == off::Mode::roce ? 1 : r.paths;
   h.faults = FaultOptions{r.drop, r.duplicate, r.reorder, r.seed};
   if (auto error = host_.open(h)) {
     ::munmap(memory, bytes);

@@ -106,6 +106,8 @@ AttachRequest attach_request(const off::EngineConfig& c) {
   r.rto_max_ns = c.rto_max_ns;
   r.line_rate_bps = c.cc_config.line_rate_bps;
   r.swift_target_delay_ns = c.cc_config.swift_target_delay_ns;
+  r.paths = c.paths;
+  r.path_policy = uint8_t(c.path_policy);
   return r;
 }
 
@@ -132,6 +134,8 @@ bool config_from(const AttachRequest& r, uint32_t session_mtu, off::EngineConfig
   if (r.line_rate_bps < 1'000'000 || r.line_rate_bps > 10'000'000'000'000ull) return bad("line rate outside [1 Mb/s, 10 Tb/s]");
   if (r.swift_target_delay_ns > 1'000'000'000ull) return bad("congestion target delay above 1 s");
   if (r.mode == uint8_t(off::Mode::stellar) && r.local_token == 0) return bad("stellar mode needs a connection token");
+  if (r.paths < 1 || r.paths > off::max_paths) return bad("paths outside [1, 256]");
+  if (r.path_policy > uint8_t(off::PathPolicy::bandit)) return bad("unknown path policy");
   c = off::EngineConfig{};
   c.mode = off::Mode(r.mode);
   c.cc = off::CcAlgorithm(r.cc);
@@ -151,6 +155,8 @@ bool config_from(const AttachRequest& r, uint32_t session_mtu, off::EngineConfig
   c.rnr_retry = r.rnr_retry;
   c.cc_config.line_rate_bps = r.line_rate_bps;
   c.cc_config.swift_target_delay_ns = r.swift_target_delay_ns;
+  c.paths = r.paths;
+  c.path_policy = off::PathPolicy(r.path_policy);
   return true;
 }
 

@@ -36,7 +36,7 @@
 namespace stellar::host::daemon {
 
 inline constexpr uint32_t protocol_magic = 0x53544c44;  // "STLD"
-inline constexpr uint32_t protocol_version = 2;
+inline constexpr uint32_t protocol_version = 3;  // 3: paths (multipath)
 inline constexpr size_t max_message_bytes = 4096;
 inline constexpr int max_message_fds = 2;  // the open's: shared area memfd, the daemon's end of the bell pair
 
@@ -71,8 +71,10 @@ struct OpenRequest {
   uint64_t seed = 0;
   uint32_t submit_capacity = 0, completion_capacity = 0;  // ring entries (powers of two)
   uint64_t area_bytes = 0;
+  uint16_t paths = 1;          // UDP sockets (source ports) of the context, 1-256 (HostOptions::paths)
+  uint16_t pad1[3] = {};
 };
-static_assert(sizeof(OpenRequest) == 88);
+static_assert(sizeof(OpenRequest) == 96);
 
 // The daemon reads and writes registered memory in the registering process
 // with process_vm_readv/writev (docs/engine-daemon.md, "Memory"): the
@@ -103,10 +105,12 @@ struct AttachRequest {
   uint64_t rto_min_ns = 0, rto_max_ns = 0, line_rate_bps = 0, swift_target_delay_ns = 0;
   uint32_t peer_address = 0;  // network order
   uint16_t peer_port = 0;     // network order
-  uint16_t pad2 = 0;
+  uint16_t paths = 1;         // EngineConfig::paths, 1-256
   uint32_t pd = 0, access = 0;
+  uint8_t path_policy = 0;    // offload::PathPolicy
+  uint8_t pad3[7] = {};
 };
-static_assert(sizeof(AttachRequest) == 112);
+static_assert(sizeof(AttachRequest) == 120);
 
 AttachRequest attach_request(const offload::EngineConfig&);
 // The engine configuration of an attach request, if every field is one the

@@ -22,7 +22,7 @@ uint64_t monotonic_ns() {
 void accumulate(off::EngineCounters& sum, const off::EngineCounters& e) {
   // Every field: the host's sum is what ContextCounters and a future
   // daemon's statistics are built from.
-  static_assert(sizeof(off::EngineCounters) == 25 * sizeof(uint64_t), "a counter was added: sum it here");
+  static_assert(sizeof(off::EngineCounters) == 26 * sizeof(uint64_t), "a counter was added: sum it here");
   sum.tx_packets += e.tx_packets, sum.tx_bytes += e.tx_bytes, sum.rx_packets += e.rx_packets, sum.rx_bytes += e.rx_bytes;
   sum.retransmitted_packets += e.retransmitted_packets, sum.timeouts += e.timeouts, sum.fast_retransmits += e.fast_retransmits;
   sum.tail_probes += e.tail_probes, sum.spurious_timeouts += e.spurious_timeouts, sum.spurious_retransmits += e.spurious_retransmits;
@@ -32,6 +32,7 @@ void accumulate(off::EngineCounters& sum, const off::EngineCounters& e) {
   sum.access_errors += e.access_errors, sum.invalid_requests += e.invalid_requests, sum.decode_errors += e.decode_errors;
   sum.bad_token += e.bad_token, sum.unexpected_packets += e.unexpected_packets;
   sum.requests_dropped_full += e.requests_dropped_full, sum.completions += e.completions;
+  sum.paths_retired += e.paths_retired;
 }
 
 struct EngineHost::Engine final : Host::Engine {
@@ -65,6 +66,22 @@ std::optional<SocketError> EngineHost::open(const HostOptions& options) {
       return error;
     }
   }
+  // One more socket per extra path, on a port of its own (the kernel's
+  // choice), sending only.
+  const uint16_t paths = options_.mode == off::Mode::roce ? 1 : std::clamp<uint16_t>(options_.paths, 1, off::max_paths);
+  paths_.clear();
+  for (uint16_t i = 1; i < paths; ++i) {
+    auto s = std::make_unique<UdpSocket>();
+    if (auto e = s->open(options_.bind_address, 0)) {
+      socket_.close();
+      paths_.clear();
+      e->message = "path socket " + std::to_string(i) + ": " + e->message;
+      return e;
+    }
+    s->enable_gso(true);
+    s->send_only();
+    paths_.push_back(std::move(s));
+  }
   kick_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   const uint32_t capacity = options_.mtu + uint32_t(off::max_header_bytes) + 64;
   // With GRO one receive may carry up to 64 KiB of coalesced datagrams.
@@ -77,7 +94,7 @@ std::optional<SocketError> EngineHost::open(const HostOptions& options) {
     tx_[i] = off::TxBuffer{tx_memory_.data() + size_t(i) * capacity, capacity, 0};
     out_[i] = Datagram{tx_[i].data, capacity, 0, {}, 0};
   }
-  filter_ = std::make_unique<FaultFilter>(socket_, options_.faults, tx_batch, capacity);
+  filter_ = std::make_unique<FaultFilter>(options_.faults, tx_batch, capacity);
   return std::nullopt;
 }
 
@@ -150,6 +167,11 @@ size_t EngineHost::flush_engine(Engine& e, uint64_t now_ns) {
   }
 }
 
+UdpSocket& EngineHost::path_socket(uint16_t path) {
+  const size_t index = path % (paths_.size() + 1);
+  return index == 0 ? socket_ : *paths_[index - 1];
+}
+
 void EngineHost::send_datagrams(size_t n, const sockaddr_in& peer) {
   for (size_t i = 0; i < n; ++i) {
     Datagram& d = out_[i];
@@ -166,7 +188,15 @@ void EngineHost::send_datagrams(size_t n, const sockaddr_in& peer) {
       d.part_count = k;
     }
   }
-  send_errors_ += filter_->send(out_, int(n));
+  // Runs of datagrams on one path (an engine keeps a path for a burst) go
+  // out together from that path's socket, in order.
+  for (size_t start = 0; start < n;) {
+    UdpSocket& socket = path_socket(tx_[start].path);
+    size_t end = start + 1;
+    while (end < n && &path_socket(tx_[end].path) == &socket) ++end;
+    send_errors_ += filter_->send(socket, out_ + start, int(end - start));
+    start = end;
+  }
 }
 
 bool EngineHost::progress_locked(uint64_t now) {
@@ -213,8 +243,11 @@ bool EngineHost::progress_round_locked(uint64_t now, bool& more) {
           break;
         }
         auto it = engines_.find(uint64_t(pkey) << 32 | qpn);
+        // From the peer: its address, and (roce, one path) its port. A
+        // stellar-mode peer sprays from many source ports; the engine's
+        // token check is what tells it from a forger.
         if (it == engines_.end() || it->second->peer.sin_addr.s_addr != rx_[i].peer.sin_addr.s_addr ||
-            it->second->peer.sin_port != rx_[i].peer.sin_port) {
+            (options_.mode == off::Mode::roce && it->second->peer.sin_port != rx_[i].peer.sin_port)) {
           ++unknown_qp_;  // no such QP in that tenant, or not from its peer
           continue;
         }

@@ -95,6 +95,8 @@ class EngineHost final : public Host {
   bool progress_round_locked(uint64_t now_ns, bool& more);
   size_t flush_engine(Engine&, uint64_t now_ns);
   void send_datagrams(size_t n, const sockaddr_in& peer);
+  // The socket an engine's path index leaves from (index modulo the sockets).
+  UdpSocket& path_socket(uint16_t path);
   void engine_thread();
 
   static constexpr int rx_batch = 32;  // datagrams per receive call
@@ -105,7 +107,11 @@ class EngineHost final : public Host {
   std::mutex& lock_;
   HostClient& client_;
   HostOptions options_;
-  UdpSocket socket_;
+  UdpSocket socket_;  // path 0: sends, and receives for every path
+  // Paths 1..HostOptions::paths-1: send-only sockets on ports of their own
+  // (each source port an entropy value ECMP hashes onto a route). Replies
+  // come to socket_'s port.
+  std::vector<std::unique_ptr<UdpSocket>> paths_;
   std::unique_ptr<FaultFilter> filter_;
   int kick_fd_ = -1;
   std::unordered_map<uint64_t, std::unique_ptr<Engine>> engines_;  // (pkey << 32 | qpn)

@@ -5,26 +5,26 @@
 
 namespace stellar::host {
 
-FaultFilter::FaultFilter(UdpSocket& socket, const FaultOptions& options, int batch, uint32_t datagram_capacity)
-    : socket_(socket), options_(options), batch_(std::max(batch, 2)), out_(size_t(batch_) + 1), held_(datagram_capacity) {
+FaultFilter::FaultFilter(const FaultOptions& options, int batch, uint32_t datagram_capacity)
+    : options_(options), batch_(std::max(batch, 2)), out_(size_t(batch_) + 1), held_(datagram_capacity) {
   random_.seed(options_.seed ? options_.seed : std::random_device{}());
   active_ = options_.drop > 0 || options_.duplicate > 0 || options_.reorder > 0;
 }
 
-uint64_t FaultFilter::flush(int count) {
+uint64_t FaultFilter::flush(UdpSocket& socket, int count) {
   int error = 0;
-  const int sent = socket_.send_batch(out_.data(), count, error);
+  const int sent = socket.send_batch(out_.data(), count, error);
   return sent < count ? uint64_t(count - sent) : 0;
 }
 
-uint64_t FaultFilter::send(const Datagram* datagrams, int count) {
+uint64_t FaultFilter::send(UdpSocket& socket, const Datagram* datagrams, int count) {
   uint64_t errors = 0;
   if (!active_) {
     // Straight to the socket, in the same batches as with faults on.
     for (int done = 0; done < count;) {
       const int n = std::min(count - done, batch_ - 1);
       int error = 0;
-      const int sent = socket_.send_batch(const_cast<Datagram*>(datagrams + done), n, error);
+      const int sent = socket.send_batch(const_cast<Datagram*>(datagrams + done), n, error);
       if (sent < n) errors += uint64_t(n - sent);
       done += n;
     }
@@ -54,6 +54,7 @@ uint64_t FaultFilter::send(const Datagram* datagrams, int count) {
         held_length_ = d.length;
       }
       held_peer_ = d.peer;
+      held_socket_ = &socket;
       ++counters_.reordered;
       continue;
     }
@@ -69,11 +70,11 @@ uint64_t FaultFilter::send(const Datagram* datagrams, int count) {
       released_held = true;
     }
     if (queued >= batch_ - 1) {
-      errors += flush(queued);
+      errors += flush(socket, queued);
       queued = 0;
     }
   }
-  if (queued) errors += flush(queued);
+  if (queued) errors += flush(socket, queued);
   return errors;
 }
 
@@ -82,7 +83,7 @@ uint64_t FaultFilter::release_held() {
   Datagram d{held_.data(), uint32_t(held_.size()), held_length_, held_peer_, 0};
   int error = 0;
   held_length_ = 0;
-  return socket_.send_batch(&d, 1, error) != 1 ? 1 : 0;
+  return held_socket_->send_batch(&d, 1, error) != 1 ? 1 : 0;
 }
 
 }  // namespace stellar::host

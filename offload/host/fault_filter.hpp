@@ -34,13 +34,15 @@ struct FaultCounters {
 
 class FaultFilter {
  public:
-  // The socket datagrams go to; batches of at most `batch` datagrams are
-  // handed to it, and a held datagram may be up to `datagram_capacity` bytes.
-  FaultFilter(UdpSocket& socket, const FaultOptions& options, int batch, uint32_t datagram_capacity);
+  // Batches of at most `batch` datagrams are handed to the socket, and a
+  // held datagram may be up to `datagram_capacity` bytes.
+  FaultFilter(const FaultOptions& options, int batch, uint32_t datagram_capacity);
 
-  // Sends `count` datagrams through the filter; returns how many the socket
-  // refused (send errors).
-  uint64_t send(const Datagram* datagrams, int count);
+  // Sends `count` datagrams from `socket` through the filter; returns how
+  // many the socket refused (send errors). A datagram held back for
+  // reordering goes out behind the next one, from that one's socket (a
+  // multipath host's sockets differ only in source port).
+  uint64_t send(UdpSocket& socket, const Datagram* datagrams, int count);
   // Sends a datagram held back for reordering that nothing overtook; returns
   // the send errors (0 or 1).
   uint64_t release_held();
@@ -50,9 +52,8 @@ class FaultFilter {
 
  private:
   double uniform() { return std::uniform_real_distribution<double>(0, 1)(random_); }
-  uint64_t flush(int count);
+  uint64_t flush(UdpSocket& socket, int count);
 
-  UdpSocket& socket_;
   FaultOptions options_;
   bool active_ = false;
   int batch_;
@@ -61,6 +62,7 @@ class FaultFilter {
   std::vector<uint8_t> held_;       // the datagram held back for reordering
   uint32_t held_length_ = 0;
   sockaddr_in held_peer_{};
+  UdpSocket* held_socket_ = nullptr;
   FaultCounters counters_;
 };
 

@@ -34,6 +34,10 @@ struct HostOptions {
   uint16_t udp_port = 0;  // 0: any free port (roce mode tries 4791 first)
   offload::Mode mode = offload::Mode::stellar;
   uint32_t mtu = 4096;    // payload bytes per packet (sizes the batches)
+  // stellar mode: UDP sockets the host sends from, one source port each
+  // (path i of an engine leaves from socket i % paths); everything is
+  // received on the first. roce mode: 1.
+  uint16_t paths = 1;
   FaultOptions faults;
   bool engine_thread = false;  // progress on a thread of the host's (else the caller's)
   bool adaptive_wait = false;  // the thread sleeps after spinning `spin_ns` without work

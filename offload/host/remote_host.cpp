@@ -118,6 +118,7 @@ std::optional<SocketError> RemoteHost::open(const HostOptions& options) {
   r.duplicate = options.faults.duplicate;
   r.reorder = options.faults.reorder;
   r.seed = options.faults.seed;
+  r.paths = options.paths;
   r.submit_capacity = submit_capacity;
   r.completion_capacity = completion_capacity;
   r.area_bytes = area_bytes_;

@@ -56,6 +56,11 @@ void UdpSocket::close() {
   quiet_receives_ = 0;
 }
 
+void UdpSocket::send_only() {
+  const int smallest = 1;  // the kernel rounds it up to its minimum
+  ::setsockopt(fd_, SOL_SOCKET, SO_RCVBUF, &smallest, sizeof smallest);
+}
+
 std::optional<SocketError> UdpSocket::open(const std::string& address, uint16_t port) {
   auto bind_to = parse_ipv4(address, port);
   if (!bind_to) return SocketError{true, "not an IPv4 address: '" + address + "'"};

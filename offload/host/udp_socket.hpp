@@ -54,6 +54,10 @@ class UdpSocket {
   // Binds address:port (port 0: any). Large socket buffers, DF set, UDP GRO
   // on where the kernel has it. nullopt on success.
   std::optional<SocketError> open(const std::string& address, uint16_t port);
+  // For a socket that only sends (a multipath host's extra source ports):
+  // the smallest receive buffer, so that stray datagrams to its port, which
+  // nobody reads, hold next to no memory.
+  void send_only();
   // Closes the socket (open may be called again).
   void close();
   // Send runs of equal-sized datagrams to one peer as one UDP GSO message

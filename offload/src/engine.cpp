@@ -4,6 +4,7 @@
 //   Responder     what the peer asks of us: placement, READ/atomic responses, ACKs
 //   Requester     what we ask of the peer: the send queue, requests, applying ACKs
 //   LossRecovery  the requester's timers, RTT, loss detection and go-back-N
+//   PathSet       the paths requests are sprayed over (stellar), and failover
 // and the PacketWriter that finishes every packet. Packets of both directions
 // carry each other's acknowledgements: every request and response we send
 // carries our responder's ACK (stellar), and every packet we receive may carry
@@ -17,6 +18,7 @@
 
 #include "engine/common.hpp"
 #include "engine/loss_recovery.hpp"
+#include "engine/paths.hpp"
 #include "engine/requester.hpp"
 #include "engine/responder.hpp"
 #include "engine/writer.hpp"
@@ -28,6 +30,8 @@ using detail::never;
 struct QpEngine::State final : detail::ErrorHandler {
   detail::Context ctx;
   std::unique_ptr<CongestionControl> cc;
+  detail::PathSet paths;
+  detail::ReplyPaths replies;
   // The requester owns the sent window loss recovery works on, so it is
   // built first; it only stores its reference to `recovery` (built next).
   detail::Requester requester;
@@ -38,10 +42,12 @@ struct QpEngine::State final : detail::ErrorHandler {
   State(const EngineConfig& c, MemoryAccess& m, CompletionSink& s)
       : ctx(c, m, s, *this),
         cc(make_cc(ctx.config)),
-        requester(ctx, *cc, recovery),
-        recovery(ctx, requester.window(), *cc),
+        paths(ctx),
+        replies(ctx),
+        requester(ctx, *cc, recovery, paths),
+        recovery(ctx, requester.window(), *cc, paths),
         responder(ctx),
-        writer(ctx, responder) {}
+        writer(ctx, responder, replies) {}
 
   static std::unique_ptr<CongestionControl> make_cc(const EngineConfig& config) {
     CcConfig ccc = config.cc_config;
@@ -105,16 +111,22 @@ void QpEngine::receive_decoded(const Header& h, uint64_t now_ns, uint64_t arriva
   }
   if (s.ctx.error) return;
   const bool stellar = s.ctx.config.mode == Mode::stellar;
+  if (stellar) {
+    s.replies.on_packet(h);  // the host maps any path value onto its ports
+    if (opcode_is_request(h.opcode)) s.replies.on_request(h.path);
+  }
   if (opcode_is_request(h.opcode)) s.responder.note_request_arrival(arrival);
   // Host delay on both ends: this packet waited (now - arrival) for us to
   // poll; the peer held what it acknowledges for ack_delay_ns.
   const uint64_t host_delay = (now_ns - arrival) + (stellar && h.has_ack ? h.ack_delay_ns : 0);
   if (stellar && h.has_ack) {
-    s.requester.on_piggybacked_ack(h.ack_psn, h.sack_bitmap, now_ns, host_delay);
+    s.requester.on_piggybacked_ack(h.ack_psn, h.sack_bitmap, h.sack_offset, now_ns, host_delay);
     if (s.ctx.error) return;
   }
   if (opcode_is_request(h.opcode)) {
+    const uint64_t duplicates = s.ctx.counters.duplicates;
     s.responder.on_request(h, now_ns);
+    if (stellar && s.ctx.counters.duplicates != duplicates) s.replies.on_duplicate();
   } else if (h.opcode == opcode::acknowledge) {
     s.requester.on_ack_packet(h, now_ns, host_delay);
   } else {
@@ -159,6 +171,31 @@ const EngineConfig& QpEngine::config() const { return s_->ctx.config; }
 uint64_t QpEngine::rto_ns() const { return s_->recovery.rto(); }
 uint64_t QpEngine::smoothed_rtt_ns() const { return s_->recovery.srtt(); }
 const CongestionControl& QpEngine::congestion_control() const { return *s_->cc; }
+bool QpEngine::path_info(uint16_t path, PathInfo& out) const {
+  if (path >= s_->paths.count()) return false;
+  s_->paths.info(path, out);
+  return true;
+}
+
+const char* to_string(PathPolicy p) {
+  switch (p) {
+    case PathPolicy::oblivious: return "oblivious";
+    case PathPolicy::reps: return "reps";
+    case PathPolicy::two_choices: return "two-choices";
+    case PathPolicy::bandit: return "bandit";
+  }
+  return "?";
+}
+
+bool parse_path_policy(const char* text, PathPolicy& out) {
+  for (PathPolicy p : {PathPolicy::oblivious, PathPolicy::reps, PathPolicy::two_choices, PathPolicy::bandit}) {
+    if (std::strcmp(text, to_string(p)) == 0) {
+      out = p;
+      return true;
+    }
+  }
+  return false;
+}
 
 size_t flatten(const TxBuffer& b, uint8_t* out, size_t capacity) {
   if (b.length > capacity) return 0;

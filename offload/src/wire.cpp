@@ -219,11 +219,13 @@ namespace {
 // ---- header sizes ----
 constexpr size_t roce_bth = 12, roce_reth = 16, roce_aeth = 4, roce_atomic_eth = 28, roce_atomic_ack = 8,
                  imm_bytes = 4, trailer = 4;
-constexpr size_t stellar_base = 40, stellar_reth = 16, stellar_segment = 12;
+constexpr size_t stellar_base = 48, stellar_reth = 16, stellar_segment = 12;
 constexpr uint8_t stellar_magic = 0x53;  // 'S'
-// 2: the 64-bit connection token at offset 32 (base header 40 bytes). A
-// version-1 peer's packets are refused as bad_version.
-constexpr uint8_t stellar_version = 2;
+// 2: the 64-bit connection token at offset 32 (base header 40 bytes).
+// 3: the path (entropy) index at offset 40, the SACK offset at 42, the echoed
+// path at 44 and 2 reserved bytes (base header 48 bytes). An older peer's
+// packets are refused as bad_version.
+constexpr uint8_t stellar_version = 3;
 
 bool roce_has_reth(uint8_t op) {
   return op == opcode::write_first || op == opcode::write_only || op == opcode::write_only_imm ||
@@ -414,6 +416,10 @@ size_t write_headers(Mode mode, const Header& h, uint8_t* out, uint32_t pad) {
   put64(p + 20, h.has_ack ? h.sack_bitmap : 0);
   put32(p + 28, h.has_ack ? h.ack_delay_ns : 0);
   put64(p + 32, h.token);
+  put16(p + 40, h.path);
+  put16(p + 42, h.has_ack ? h.sack_offset : 0);
+  put16(p + 44, h.echo_path);
+  put16(p + 46, 0);  // reserved
   p += stellar_base;
   if (opcode_is_write(h.opcode) || h.opcode == opcode::read_request) {
     put64(p, h.remote_addr);
@@ -554,6 +560,9 @@ DecodeError decode(Mode mode, const uint8_t* data, size_t length, const IcrcAddr
   h.sack_bitmap = get64(data + 20);
   h.ack_delay_ns = get32(data + 28);
   h.token = get64(data + 32);
+  h.path = get16(data + 40);
+  h.sack_offset = get16(data + 42);
+  h.echo_path = get16(data + 44);  // 46..47 reserved: ignored
   const uint8_t* p = data + stellar_base;
   if (opcode_is_write(h.opcode) || h.opcode == opcode::read_request) {
     h.remote_addr = get64(p);

@@ -42,6 +42,16 @@ Result<std::shared_ptr<Context>> Context::open(const ContextOptions& options) {
     else if (*engine == "daemon") effective.progress = ProgressMode::daemon;
     else return Status(Errc::invalid_argument, "STELLAR_ENGINE='" + *engine + "' is not inline, thread or daemon");
   }
+  auto paths = config::integer("STELLAR_PATHS", 1, 256);
+  if (!paths) return paths.status();
+  if (*paths) effective.paths = uint16_t(**paths);
+  if (effective.paths < 1 || effective.paths > 256)
+    return Status(Errc::invalid_argument, "paths " + std::to_string(effective.paths) + " outside [1, 256]");
+  if (auto policy = config::text("STELLAR_PATH_POLICY")) {
+    auto parsed = parse_path_policy(*policy);
+    if (!parsed) return Status(Errc::invalid_argument, "STELLAR_PATH_POLICY: " + parsed.status().message());
+    effective.path_policy = *parsed;
+  }
   if (effective.engined_socket.empty())
     effective.engined_socket = config::text("STELLAR_ENGINED_SOCKET").value_or("/run/stellar/engined.sock");
   if (effective.mtu < 256 || effective.mtu > 16384)

@@ -50,6 +50,22 @@ Result<Mode> parse_mode(const std::string& s) {
   return Status(Errc::invalid_argument, "unknown mode '" + s + "' (expected stellar or roce)");
 }
 
+const char* to_string(PathPolicy p) {
+  switch (p) {
+    case PathPolicy::oblivious: return "oblivious";
+    case PathPolicy::reps: return "reps";
+    case PathPolicy::two_choices: return "two-choices";
+    case PathPolicy::bandit: return "bandit";
+  }
+  return "?";
+}
+
+Result<PathPolicy> parse_path_policy(const std::string& s) {
+  for (PathPolicy p : {PathPolicy::oblivious, PathPolicy::reps, PathPolicy::two_choices, PathPolicy::bandit})
+    if (s == to_string(p)) return p;
+  return Status(Errc::invalid_argument, "unknown path policy '" + s + "' (expected oblivious, reps, two-choices or bandit)");
+}
+
 const char* to_string(WcOpcode o) {
   switch (o) {
     case WcOpcode::send: return "send";

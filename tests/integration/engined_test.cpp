@@ -373,7 +373,13 @@ TEST(EngineDaemon, AKilledClientLeavesNothingBehind) {
   RawClient observer(daemon.socket());
   ASSERT_TRUE(observer.open().ok);
   const auto deadline = std::chrono::steady_clock::now() + 2s;
-  while (observer.counters().engines != 0 && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(5ms);
+  // (Sessions: the victim's and the first observer's, whose close the
+  // daemon may see a little after this observer's open.)
+  auto settled = [&] {
+    const proto::Reply c = observer.counters();
+    return c.engines == 0 && c.sessions == 1;
+  };
+  while (!settled() && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(5ms);
   const proto::Reply after = observer.counters();
   EXPECT_EQ(after.engines, 0u);
   EXPECT_EQ(after.sessions, 1u);

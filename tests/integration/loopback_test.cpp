@@ -676,15 +676,15 @@ void put_be(std::vector<uint8_t>& d, size_t at, uint64_t v, int bytes) {
 }
 
 // A stellar-mode RDMA WRITE ONLY built from docs/wire-format.md alone, as an
-// attacker would: base header (40 bytes, version 2), RETH, segment, payload,
+// attacker would: base header (48 bytes, version 3), RETH, segment, payload,
 // CRC-32C. Everything an attacker can learn or guess goes in; the token is
 // the one field it has to guess.
 std::vector<uint8_t> forge_write(uint32_t qpn, uint32_t psn, uint64_t token, uint64_t address, uint32_t rkey,
                                  const std::vector<uint8_t>& payload) {
-  const size_t header = 40 + 16 + 12;
+  const size_t header = 48 + 16 + 12;
   std::vector<uint8_t> d(header + payload.size() + 4, 0);
   d[0] = 0x53;  // magic
-  d[1] = 2;     // version
+  d[1] = 3;     // version
   d[2] = 0x0a;  // RDMA WRITE Only
   d[3] = 1;     // ack request; no piggy-backed acknowledgement (bytes 16..31 stay 0)
   put_be(d, 4, 0xffff, 2);  // default partition
@@ -692,11 +692,12 @@ std::vector<uint8_t> forge_write(uint32_t qpn, uint32_t psn, uint64_t token, uin
   put_be(d, 8, qpn, 4);
   put_be(d, 12, psn, 4);
   put_be(d, 32, token, 8);
-  put_be(d, 40, address, 8);  // RETH
-  put_be(d, 48, rkey, 4);
-  put_be(d, 52, payload.size(), 4);
-  put_be(d, 56, 0, 4);  // segment: offset, message length, receive sequence
+  put_be(d, 40, 0, 8);        // path 0, SACK offset 0, echoed path 0, reserved
+  put_be(d, 48, address, 8);  // RETH
+  put_be(d, 56, rkey, 4);
   put_be(d, 60, payload.size(), 4);
+  put_be(d, 64, 0, 4);  // segment: offset, message length, receive sequence
+  put_be(d, 68, payload.size(), 4);
   std::copy(payload.begin(), payload.end(), d.begin() + long(header));
   put_be(d, header + payload.size(), crc32c(d.data(), header + payload.size()), 4);
   return d;
@@ -705,11 +706,11 @@ std::vector<uint8_t> forge_write(uint32_t qpn, uint32_t psn, uint64_t token, uin
 struct TestSocket {
   int fd = -1;
   uint16_t port = 0;
-  TestSocket() {
+  explicit TestSocket(uint32_t address = INADDR_LOOPBACK) {
     fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
     sockaddr_in a{};
     a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_addr.s_addr = htonl(address);
     if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) std::abort();
     socklen_t n = sizeof a;
     getsockname(fd, reinterpret_cast<sockaddr*>(&a), &n);
@@ -768,9 +769,10 @@ class Relay {
 // own address and port, forges an RDMA WRITE. The connection token rejects
 // it (counted in rx_dropped_bad_token) before it touches anything; the real
 // writer's next WRITE, which takes the PSN the forgery aimed at, completes
-// and its data lands. From any other port the peer-address filter drops the
-// packet first, even with the right token. The same forgery carrying the
-// token is accepted: the token, nothing else, stopped it.
+// and its data lands. From any other address the peer-address filter drops
+// the packet first, even with the right token (any port of the peer's
+// address is the peer: it sprays over many source ports). The same forgery
+// carrying the token is accepted: the token, nothing else, stopped it.
 TEST(TrustModel, BlindInjectionFromThePeersAddressIsRejectedByTheToken) {
   auto a = Context::open(options_for(Mode::stellar, false)).value();
   auto b = Context::open(options_for(Mode::stellar, false)).value();
@@ -837,7 +839,7 @@ TEST(TrustModel, BlindInjectionFromThePeersAddressIsRejectedByTheToken) {
   drive([] { return false; }, 50ms);
   const ContextCounters before = b->counters();
   for (uint64_t guess : guesses) relay.facing_b.send_to(forge_write(eb.qp_num, next_psn, guess, tmr->addr(), tmr->rkey(), evil), b->local_port());
-  TestSocket elsewhere;  // same host, another port: the peer-address filter's case
+  TestSocket elsewhere(0x7f000002);  // another address (127.0.0.2): the peer-address filter's case
   elsewhere.send_to(forge_write(eb.qp_num, next_psn, eb.token, tmr->addr(), tmr->rkey(), evil), b->local_port());
   const uint64_t forged = std::size(guesses);
   EXPECT_TRUE(drive([&] {

@@ -24,9 +24,12 @@ uint8_t* FakeMemory::resolve(uint32_t rkey, uint64_t address, uint64_t length, u
   return reinterpret_cast<uint8_t*>(address);
 }
 
-void Channel::send(const uint8_t* data, size_t length, uint64_t now) {
+void Channel::send(const uint8_t* data, size_t length, uint64_t now, uint16_t path) {
+  ++sent_per_path[path];
   if (filter && filter(data, length)) return;
   if (chance(faults_.drop)) return;
+  const PathFault* pf = paths.empty() ? nullptr : &paths[path % paths.size()];
+  if (pf && (pf->dead || chance(pf->drop))) return;
   const uint64_t departure = std::max(now, last_departure_ + faults_.spacing_ns);
   last_departure_ = departure;
   Datagram d{std::vector<uint8_t>(data, data + length), departure + faults_.delay_ns + jitter()};
@@ -36,6 +39,7 @@ void Channel::send(const uint8_t* data, size_t length, uint64_t now) {
   }
   if (chance(faults_.reorder)) d.due += faults_.delay_ns * 3 + 5'000;  // overtaken by later ones
   if (faults_.slow_every && ++sent_ % faults_.slow_every == 0) d.due += faults_.slow_extra_ns;
+  if (pf) d.due += pf->extra_ns;
   if (chance(faults_.duplicate)) queue_.push_back(Datagram{d.bytes, d.due + 1'000});
   queue_.push_back(std::move(d));
 }
@@ -73,7 +77,7 @@ void Pair::pump(QpEngine& e, Channel& out) {
       // A datagram the engine cannot flatten into its own length is a bug
       // in the engine's bookkeeping: stop at once, under any test runner.
       if (flatten(tx[i], flat.data(), flat.size()) != tx[i].length) std::abort();
-      out.send(flat.data(), flat.size(), now);
+      out.send(flat.data(), flat.size(), now, tx[i].path);
     }
     if (n < tx.size()) break;
   }

@@ -62,6 +62,14 @@ struct ChannelFaults {
   uint64_t slow_extra_ns = 0;
 };
 
+// What happens on one path (entropy) of a multipath link, by the path index
+// each datagram carries (TxBuffer::path): index % paths.size().
+struct PathFault {
+  bool dead = false;       // every datagram on it is lost
+  double drop = 0;         // or this share of them
+  uint64_t extra_ns = 0;   // added one-way delay
+};
+
 // One direction of the simulated link.
 class Channel {
  public:
@@ -69,8 +77,14 @@ class Channel {
   // Drops datagrams for which it returns true (targeted loss in tests).
   std::function<bool(const uint8_t*, size_t)> filter;
 
-  // Takes a copy of the datagram, sent at virtual time `now` (ns).
-  void send(const uint8_t* data, size_t length, uint64_t now);
+  // Takes a copy of the datagram, sent at virtual time `now` (ns) on path
+  // `path` (Header::path).
+  void send(const uint8_t* data, size_t length, uint64_t now, uint16_t path = 0);
+  // Per-path faults (empty: every path alike). Both directions of a Pair
+  // usually get the same: a reply leaves on its request's path.
+  std::vector<PathFault> paths;
+  // Datagrams sent per path index (what the channel saw).
+  std::map<uint16_t, uint64_t> sent_per_path;
   // Hands every datagram due at `now` to f(data, length), in queue order.
   template <typename F>
   void deliver_due(uint64_t now, F&& f) {

@@ -34,6 +34,9 @@ Header sample(uint8_t op) {
   h.sack_bitmap = 0x5;
   h.ack_delay_ns = 123'456;
   h.token = 0x0123456789abcdefull;
+  h.path = 0xbeef;
+  h.sack_offset = 0x1234;
+  h.echo_path = 0x4321;
   return h;
 }
 
@@ -87,8 +90,12 @@ TEST_P(WireModes, EveryOpcodeRoundTrips) {
       EXPECT_EQ(d.sack_bitmap, 5u);
       EXPECT_EQ(d.ack_delay_ns, 123'456u);
       EXPECT_EQ(d.token, 0x0123456789abcdefull);
+      EXPECT_EQ(d.path, 0xbeef);
+      EXPECT_EQ(d.sack_offset, 0x1234);
+      EXPECT_EQ(d.echo_path, 0x4321);
     } else {
       EXPECT_EQ(d.token, 0u) << "roce mode has no token on the wire";
+      EXPECT_EQ(d.path, 0u) << "roce mode is one path";
     }
     // Every truncation is caught.
     for (size_t cut = 0; cut < n; ++cut) EXPECT_NE(decode(mode, buf.data(), cut, addresses, d), DecodeError::none) << cut;
@@ -201,27 +208,31 @@ TEST(StellarWire, Crc32cMatchesReferenceEverywhere) {
 namespace {
 using namespace stellar::offload;
 
-// The connection token: 8 bytes at offset 32 of the version-2 base header
-// (40 bytes), big-endian, under the CRC like everything else; roce mode stays
-// byte-exact RoCEv2 (no token).
+// The connection token: 8 bytes at offset 32 of the version-3 base header
+// (48 bytes), big-endian, under the CRC like everything else; roce mode stays
+// byte-exact RoCEv2 (no token). The path index follows at offset 40.
 TEST(StellarWire, TokenSitsAtOffset32AndRoundTrips) {
   Header h;
   h.opcode = opcode::acknowledge;
   h.syndrome = syndrome::ack;
   for (uint64_t token : {0ull, 1ull, 0x8000000000000000ull, 0xfedcba9876543210ull, ~0ull}) {
     h.token = token;
+    h.path = uint16_t(token >> 48);
     std::vector<uint8_t> buf(128, 0);
     const size_t n = encode(Mode::stellar, h, buf.data(), buf.size(), {});
-    ASSERT_EQ(n, 40u + 4u + 4u) << "base 40, AETH 4, CRC 4";
+    ASSERT_EQ(n, 48u + 4u + 4u) << "base 48, AETH 4, CRC 4";
     EXPECT_EQ(buf[0], 0x53);
-    EXPECT_EQ(buf[1], 2) << "version 2";
-    EXPECT_EQ(buf[6] << 8 | buf[7], 44) << "header length";
+    EXPECT_EQ(buf[1], 3) << "version 3";
+    EXPECT_EQ(buf[6] << 8 | buf[7], 52) << "header length";
+    EXPECT_EQ(buf[40] << 8 | buf[41], h.path) << "path, big-endian";
+    EXPECT_EQ(buf[46] | buf[47], 0) << "reserved";
     uint64_t on_wire = 0;
     for (int i = 0; i < 8; ++i) on_wire = on_wire << 8 | buf[32 + size_t(i)];
     EXPECT_EQ(on_wire, token);
     Header d;
     ASSERT_EQ(decode(Mode::stellar, buf.data(), n, {}, d), DecodeError::none);
     EXPECT_EQ(d.token, token);
+    EXPECT_EQ(d.path, h.path);
     // A token changed in flight without fixing the CRC is caught as corruption.
     buf[39] ^= 1;
     EXPECT_EQ(decode(Mode::stellar, buf.data(), n, {}, d), DecodeError::bad_checksum);
@@ -255,13 +266,13 @@ TEST(StellarWire, VersionOnePacketsAreRefused) {
   EXPECT_EQ(decode(Mode::stellar, v1.data(), v1.size(), {}, d), DecodeError::bad_version);
   for (size_t cut = 2; cut < v1.size(); ++cut)
     EXPECT_EQ(decode(Mode::stellar, v1.data(), cut, {}, d), DecodeError::bad_version) << cut;
-  // A version-2 packet relabelled as version 1 (CRC recomputed) too, and any other version.
+  // A version-3 packet relabelled as an older version (CRC recomputed) too, and any other version.
   Header h = sample(opcode::write_only);
   h.payload_length = 0;
   h.message_length = 0;
   std::vector<uint8_t> buf(128, 0);
   const size_t n = encode(Mode::stellar, h, buf.data(), buf.size(), {});
-  for (uint8_t version : {uint8_t(0), uint8_t(1), uint8_t(3), uint8_t(0xff)}) {
+  for (uint8_t version : {uint8_t(0), uint8_t(1), uint8_t(2), uint8_t(4), uint8_t(0xff)}) {
     buf[1] = version;
     const uint32_t c = crc32c(buf.data(), n - 4);
     for (int i = 0; i < 4; ++i) buf[n - 4 + size_t(i)] = uint8_t(c >> (24 - 8 * i));

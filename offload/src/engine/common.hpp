@@ -57,6 +57,7 @@ enum SlotFlags : uint8_t {
 struct Slot {
   uint32_t wqe = 0;
   uint8_t flags = 0;
+  uint16_t path = 0;  // the path of its latest transmission
   uint64_t sent_ns = 0;
 };
 
@@ -163,6 +164,8 @@ inline Context::Context(const EngineConfig& c, MemoryAccess& m, CompletionSink& 
   config.max_recv_wr = std::max<uint32_t>(1, config.max_recv_wr);
   config.mtu = std::max<uint32_t>(256, config.mtu);
   config.max_read_responses = std::max<uint32_t>(1, config.max_read_responses);
+  config.paths = config.mode == Mode::roce ? 1 : std::clamp<uint16_t>(config.paths, 1, max_paths);
+  config.path_burst_packets = std::max<uint32_t>(1, config.path_burst_packets);
   config.max_response_burst = std::max<uint32_t>(1, config.max_response_burst);
   // Bounded by what the responder can hold: early in-order requests and the atomic replay cache.
   config.max_rd_atomic = std::clamp<uint32_t>(config.max_rd_atomic, 1, std::min(pending_capacity, atomic_replay_capacity));

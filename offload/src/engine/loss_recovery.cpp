@@ -3,8 +3,8 @@
 
 namespace stellar::offload::detail {
 
-LossRecovery::LossRecovery(Context& ctx, SentWindow& window, CongestionControl& cc)
-    : ctx_(ctx), window_(window), cc_(cc), lost_(ctx.config.window_packets) {
+LossRecovery::LossRecovery(Context& ctx, SentWindow& window, CongestionControl& cc, PathSet& paths)
+    : ctx_(ctx), window_(window), cc_(cc), paths_(paths), lost_(ctx.config.window_packets) {
   const uint32_t first = ctx_.config.send_psn & ctx_.psn.mask;
   loss_scan_ = highest_done_[0] = highest_done_[1] = first;
   last_response_psn_ = add(first, ctx_.psn.mask);  // first - 1
@@ -19,6 +19,7 @@ void LossRecovery::on_packet_done(uint32_t psn, const Slot& s, uint64_t now, uin
   }
   if (!(s.flags & slot_sent)) return;
   const uint64_t elapsed = now - s.sent_ns;
+  paths_.on_acknowledged(s.path, now, (s.flags & slot_retransmitted) ? 0 : elapsed);
   // READ/atomic responses and ACKs of writes/sends are separate evidence:
   // a WRITE acknowledged after a READ says nothing about the READ's data.
   Delivered& d = delivered_[(s.flags & slot_response) ? 1 : 0];
@@ -43,7 +44,8 @@ void LossRecovery::on_packet_done(uint32_t psn, const Slot& s, uint64_t now, uin
     }
     return;
   }
-  if (!d.valid || s.sent_ns > d.sent_ns || (s.sent_ns == d.sent_ns && diff(psn, d.psn) > 0)) d = Delivered{true, s.sent_ns, psn, elapsed};
+  if (!d.valid || s.sent_ns > d.sent_ns || (s.sent_ns == d.sent_ns && diff(psn, d.psn) > 0))
+    d = Delivered{true, s.sent_ns, psn, elapsed, s.path};
 }
 
 uint64_t LossRecovery::reorder_window() const {
@@ -138,10 +140,15 @@ void LossRecovery::detect_losses(uint64_t now) {
     const Delivered& d = delivered_[kind];
     const bool sent_before = d.valid && diff(p, highest_done_[kind]) < 0 &&
                              (s.sent_ns < d.sent_ns || (s.sent_ns == d.sent_ns && diff(p, d.psn) < 0));
-    const uint64_t due = s.sent_ns + d.rtt_ns + window;
+    // The packet's own path may be slower than the one that brought the
+    // evidence: it gets the difference too (packets sprayed over paths of
+    // different delays are not lost for arriving in the slower path's time),
+    // or the RTO while its path has no RTT sample.
+    const uint64_t due = s.sent_ns + d.rtt_ns + paths_.extra_delay(s.path, d.path, rto_) + window;
     if (sent_before && now >= due) {
       queue_lost(p);
       s.flags |= slot_reordered;
+      paths_.on_lost(s.path, now, false);
       if (!undecided) loss_scan_ = add(p, 1);
       continue;
     }
@@ -249,6 +256,8 @@ LossRecovery::Timeout LossRecovery::on_timeout(uint64_t now) {
       if (window_.outstanding(p)) window_.slot(p).flags &= uint8_t(~slot_lost);
     }
     lost_count_ = 0;
+    // The head's path failed it (or the whole fabric did): out with it.
+    paths_.on_lost(window_.slot(window_.una).path, now, true);
     bool later_acknowledged = false;
     for (uint32_t p = window_.una; diff(p, window_.max_sent) < 0; p = add(p, 1)) {
       if (window_.slot(p).flags & slot_done) later_acknowledged = true;
@@ -263,17 +272,28 @@ LossRecovery::Timeout LossRecovery::on_timeout(uint64_t now) {
 }
 
 // Tail loss probe (stellar): when nothing was acknowledged for about two
-// RTTs, retransmit the oldest outstanding packet once. Either it was lost
-// (recovered an RTO early) or its duplicate draws a fresh SACK that lets
-// loss detection find what is missing. Not a timeout: the window and the
-// retry count are left alone.
+// RTTs, retransmit one outstanding packet once: the oldest with one path,
+// the newest when sprayed (RFC 8985, 7.3). Either it was lost (recovered an
+// RTO early) or its ACK draws a fresh SACK; the newest one's ACK is also
+// evidence against every packet sent before it, so that the tail of a burst
+// lost on a dead path is found by loss detection, not by the RTO. Not a
+// timeout: the window and the retry count are left alone.
 void LossRecovery::on_probe(uint64_t now) {
   probe_deadline_ = never;
   (void)now;
-  const Slot& s = window_.slot(window_.una);
+  uint32_t p = window_.una;
+  if (paths_.count() > 1) {
+    for (uint32_t q = add(window_.max_sent, ctx_.psn.mask); diff(q, window_.una) >= 0; q = add(q, ctx_.psn.mask)) {
+      if ((window_.slot(q).flags & (slot_sent | slot_done | slot_lost)) == slot_sent) {
+        p = q;
+        break;
+      }
+    }
+  }
+  const Slot& s = window_.slot(p);
   if ((s.flags & (slot_sent | slot_done | slot_lost)) != slot_sent) return;
   ++ctx_.counters.tail_probes;
-  queue_lost(window_.una);
+  queue_lost(p);
 }
 
 void LossRecovery::on_sent(uint64_t now) {
@@ -288,7 +308,10 @@ void LossRecovery::arm_probe(uint64_t now) {
     probe_deadline_ = never;
     return;
   }
-  const uint64_t pto = srtt_ ? std::max<uint64_t>(2 * srtt_ + ctx_.config.ack_delay_ns, 20'000) : rto_ / 4;
+  uint64_t pto = srtt_ ? std::max<uint64_t>(2 * srtt_ + ctx_.config.ack_delay_ns, 20'000) : rto_ / 4;
+  // Sprayed: nothing is news before the slowest path with packets out had
+  // its time (the connection's srtt is mostly the fast paths').
+  pto = std::max(pto, paths_.slowest_in_flight() * 5 / 4 + ctx_.config.ack_delay_ns);
   probe_deadline_ = pto < rto_ ? now + pto : never;
 }
 

@@ -21,13 +21,13 @@
 // being late, and the window grew to the length of every recovery.)
 //
 // May call: the SentWindow (read slots; take packets it declares lost out of
-// flight), congestion control (on_ack, on_timeout, on_spurious_timeout) and
-// the counters. It never touches the send queue or the responder: what it
+// flight), the PathSet (each packet's fate on its path, the path's RTT),
+// congestion control (on_ack, on_timeout, on_spurious_timeout) and the
+// counters. It never touches the send queue or the responder: what it
 // decides that the requester must do (go back to a PSN, fail the head after
 // too many timeouts) it returns. The requester calls it while applying
-// acknowledgements, when sending, and when the timers fire. Multipath
-// replaces this unit (path choice and loss detection); the responder does not
-// know it exists.
+// acknowledgements, when sending, and when the timers fire. The responder
+// does not know it exists.
 #pragma once
 
 #include <vector>
@@ -39,7 +39,7 @@ namespace stellar::offload::detail {
 
 class LossRecovery {
  public:
-  LossRecovery(Context& ctx, SentWindow& window, CongestionControl& cc);
+  LossRecovery(Context& ctx, SentWindow& window, CongestionControl& cc, PathSet& paths);
 
   // ---- acknowledgements (the requester, while it applies an ACK or a response) ----
 
@@ -125,6 +125,7 @@ class LossRecovery {
   Context& ctx_;
   SentWindow& window_;
   CongestionControl& cc_;
+  PathSet& paths_;
   std::vector<uint32_t> lost_;  // stellar: PSNs to retransmit, ring
   uint32_t lost_head_ = 0, lost_count_ = 0;
   uint64_t rto_deadline_ = never;
@@ -142,6 +143,7 @@ class LossRecovery {
     uint64_t sent_ns = 0;
     uint32_t psn = 0;
     uint64_t rtt_ns = 0;
+    uint16_t path = 0;
   };
   Delivered delivered_[2];
   // One past the highest PSN acknowledged, per kind. Only a packet below it

@@ -3,8 +3,8 @@
 
 namespace stellar::offload::detail {
 
-Requester::Requester(Context& ctx, CongestionControl& cc, LossRecovery& recovery)
-    : ctx_(ctx), cc_(cc), recovery_(recovery), window_(ctx), sq_(ctx.config.max_send_wr) {
+Requester::Requester(Context& ctx, CongestionControl& cc, LossRecovery& recovery, PathSet& paths)
+    : ctx_(ctx), cc_(cc), recovery_(recovery), paths_(paths), window_(ctx, paths), sq_(ctx.config.max_send_wr) {
   send_psn_ = assign_psn_ = acked_upto_ = window_.una;
 }
 
@@ -162,10 +162,10 @@ void Requester::apply_cumulative(uint32_t cum, uint64_t now, uint64_t& rtt, uint
   }
 }
 
-void Requester::apply_sack(uint32_t cum, uint64_t bitmap, uint64_t now, uint64_t& rtt, uint64_t& bytes) {
+void Requester::apply_sack(uint32_t cum, uint64_t bitmap, uint16_t offset, uint64_t now, uint64_t& rtt, uint64_t& bytes) {
   for (uint32_t i = 0; bitmap != 0 && i < 64; ++i, bitmap >>= 1) {
     if (!(bitmap & 1)) continue;
-    const uint32_t p = add(cum, i + 1);
+    const uint32_t p = add(cum, i + 1 + offset);
     if (!window_.outstanding(p)) continue;
     Slot& s = slot(p);
     if (!needs_response(sq_[s.wqe].work.opcode)) mark_done(p, now, rtt, bytes);
@@ -293,11 +293,12 @@ bool Requester::local_ok(SendWqe& w, uint64_t offset, uint64_t length, uint32_t 
 // ---------------------------------------------------------------------------
 // receive path
 
-void Requester::on_piggybacked_ack(uint32_t ack_psn, uint64_t sack_bitmap, uint64_t now, uint64_t host_delay) {
+void Requester::on_piggybacked_ack(uint32_t ack_psn, uint64_t sack_bitmap, uint16_t sack_offset, uint64_t now,
+                                   uint64_t host_delay) {
   host_delay_ = host_delay;
   uint64_t rtt = 0, bytes = 0;
   apply_cumulative(ack_psn, now, rtt, bytes);
-  apply_sack(ack_psn, sack_bitmap, now, rtt, bytes);
+  apply_sack(ack_psn, sack_bitmap, sack_offset, now, rtt, bytes);
   after_acknowledgement(now, rtt, bytes);
 }
 
@@ -434,13 +435,14 @@ bool Requester::may_send_request(uint64_t now, uint32_t bytes) const {
 // `read_packets` response packets from psn (at most to the end of its
 // piece, read_request_packets).
 uint32_t Requester::build_request(PacketWriter& writer, uint32_t psn, uint32_t wqe_index, uint32_t read_packets,
-                                  TxBuffer& b, uint32_t& psns_used) {
+                                  uint16_t path, TxBuffer& b, uint32_t& psns_used) {
   const EngineConfig& config = ctx_.config;
   SendWqe& w = sq_[wqe_index];
   const uint32_t index = uint32_t(diff(psn, w.first_psn));
   const uint64_t offset = uint64_t(index) * config.mtu;
   Header h = ctx_.addressed();
   h.psn = psn;
+  h.path = path;
   h.solicited = w.work.solicited;
   psns_used = 1;
   const bool first = index == 0, last = index + 1 == w.packet_count;
@@ -502,20 +504,23 @@ uint32_t Requester::build_request(PacketWriter& writer, uint32_t psn, uint32_t w
   return writer.finish(h, b);
 }
 
-void Requester::record_sent(uint32_t psn, uint32_t count, uint32_t wqe_index, uint64_t now, bool retransmission) {
+void Requester::record_sent(uint32_t psn, uint32_t count, uint32_t wqe_index, uint64_t now, bool retransmission,
+                            uint16_t path) {
   const uint8_t response = needs_response(sq_[wqe_index].work.opcode) ? slot_response : 0;
   for (uint32_t i = 0; i < count; ++i) {
     const uint32_t p = add(psn, i);
     Slot& s = slot(p);
     if (diff(p, window_.max_sent) >= 0) {
-      s = Slot{wqe_index, response, 0};
+      s = Slot{wqe_index, response, 0, 0};
       window_.max_sent = add(p, 1);
     }
     if (s.flags & slot_done) continue;
     if (retransmission || (s.flags & slot_sent)) s.flags |= slot_retransmitted;
     s.flags = uint8_t((s.flags | slot_sent | slot_in_flight) & ~slot_lost);
     s.sent_ns = now;
+    s.path = path;
     ++window_.inflight_packets;
+    paths_.on_sent(path);
   }
   recovery_.on_sent(now);
 }
@@ -556,13 +561,15 @@ size_t Requester::transmit(PacketWriter& writer, TxBuffer* buffers, size_t count
     uint32_t run = 1;
     if (sq_[s.wqe].work.opcode == WorkOpcode::rdma_read) run = recovery_.lost_run(psn, read_request_packets(sq_[s.wqe], psn));
     uint32_t used = 0;
-    if (!build_request(writer, psn, s.wqe, run, buffers[n], used)) {
+    // Not the path it was lost on.
+    const uint16_t path = paths_.choose(now, s.path);
+    if (!build_request(writer, psn, s.wqe, run, path, buffers[n], used)) {
       if (!local_fault_) return n;
       local_fault_ = false;
       fail_wqe(s.wqe, CompletionStatus::local_protection_error);
       continue;
     }
-    record_sent(psn, used, s.wqe, now, true);
+    record_sent(psn, used, s.wqe, now, true, path);
     recovery_.retransmitted(psn, used, now);
     cc_.on_send(now, buffers[n].length);
     ++ctx_.counters.retransmitted_packets;
@@ -589,13 +596,14 @@ size_t Requester::transmit(PacketWriter& writer, TxBuffer* buffers, size_t count
     if (!may_send_request(now, config.mtu)) break;
     const bool retransmission = diff(send_psn_, window_.max_sent) < 0;
     uint32_t used = 0;
-    if (!build_request(writer, send_psn_, send_cursor_, needed, buffers[n], used)) {
+    const uint16_t path = paths_.choose(now);
+    if (!build_request(writer, send_psn_, send_cursor_, needed, path, buffers[n], used)) {
       if (!local_fault_) break;
       local_fault_ = false;
       fail_wqe(send_cursor_, CompletionStatus::local_protection_error);
       continue;
     }
-    record_sent(send_psn_, used, send_cursor_, now, retransmission);
+    record_sent(send_psn_, used, send_cursor_, now, retransmission, path);
     cc_.on_send(now, buffers[n].length);
     if (retransmission) ++ctx_.counters.retransmitted_packets;
     if (credit) {
@@ -607,6 +615,7 @@ size_t Requester::transmit(PacketWriter& writer, TxBuffer* buffers, size_t count
       send_cursor_ = (send_cursor_ + 1) % config.max_send_wr;
     ++n;
   }
+  paths_.end_burst();
   return n;
 }
 

@@ -7,7 +7,7 @@
 // LossRecovery queued first, then new PSNs in order), applies the peer's
 // cumulative ACK, SACK, NAKs and READ/atomic responses, and completes sends.
 //
-// May call: LossRecovery (acknowledgement evidence, timers, the lost queue;
+// May call: PathSet (the path of each request), LossRecovery (acknowledgement evidence, timers, the lost queue;
 // it rewinds when recovery says to go back), congestion control (may I send,
 // what I sent), the PacketWriter it is handed to finish a request,
 // MemoryAccess (its local segments) and the Context (counters, completions,
@@ -27,7 +27,7 @@ namespace stellar::offload::detail {
 class Requester {
  public:
   // `recovery` works on window(): it may be constructed after this one.
-  Requester(Context& ctx, CongestionControl& cc, LossRecovery& recovery);
+  Requester(Context& ctx, CongestionControl& cc, LossRecovery& recovery, PathSet& paths);
 
   SentWindow& window() { return window_; }
 
@@ -40,7 +40,7 @@ class Requester {
   // in hosts (waiting for our poll, held by the peer before acknowledging).
 
   // stellar: the cumulative ACK and SACK every packet carries.
-  void on_piggybacked_ack(uint32_t ack_psn, uint64_t sack_bitmap, uint64_t now, uint64_t host_delay);
+  void on_piggybacked_ack(uint32_t ack_psn, uint64_t sack_bitmap, uint16_t sack_offset, uint64_t now, uint64_t host_delay);
   // An ACK or NAK packet (AETH).
   void on_ack_packet(const Header& h, uint64_t now, uint64_t host_delay);
   // A READ response or atomic acknowledgement.
@@ -73,7 +73,7 @@ class Requester {
   void rewind(uint32_t psn);
   void mark_done(uint32_t psn, uint64_t now, uint64_t& rtt_sample, uint64_t& acked_bytes);
   void apply_cumulative(uint32_t cum, uint64_t now, uint64_t& rtt, uint64_t& bytes);
-  void apply_sack(uint32_t cum, uint64_t bitmap, uint64_t now, uint64_t& rtt, uint64_t& bytes);
+  void apply_sack(uint32_t cum, uint64_t bitmap, uint16_t offset, uint64_t now, uint64_t& rtt, uint64_t& bytes);
   void after_acknowledgement(uint64_t now, uint64_t rtt, uint64_t bytes);
   void advance_una();
   void complete_sends();
@@ -83,13 +83,14 @@ class Requester {
   bool local_ok(SendWqe& w, uint64_t offset, uint64_t length, uint32_t access);
   bool may_send_request(uint64_t now, uint32_t bytes) const;
   bool in_order_ready() const;
-  uint32_t build_request(PacketWriter& writer, uint32_t psn, uint32_t wqe_index, uint32_t read_packets, TxBuffer& b,
-                         uint32_t& psns_used);
-  void record_sent(uint32_t psn, uint32_t count, uint32_t wqe_index, uint64_t now, bool retransmission);
+  uint32_t build_request(PacketWriter& writer, uint32_t psn, uint32_t wqe_index, uint32_t read_packets, uint16_t path,
+                         TxBuffer& b, uint32_t& psns_used);
+  void record_sent(uint32_t psn, uint32_t count, uint32_t wqe_index, uint64_t now, bool retransmission, uint16_t path);
 
   Context& ctx_;
   CongestionControl& cc_;
   LossRecovery& recovery_;
+  PathSet& paths_;
   SentWindow window_;
   std::vector<SendWqe> sq_;
   uint32_t sq_head_ = 0, sq_count_ = 0;

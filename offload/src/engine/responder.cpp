@@ -9,7 +9,7 @@ Responder::Responder(Context& ctx)
       received_(ctx.config.window_packets),
       reads_(ctx.config.max_read_responses),
       control_(control_capacity) {
-  epsn_ = received_end_ = ctx_.config.receive_psn & ctx_.psn.mask;
+  epsn_ = received_end_ = sack_cursor_ = ctx_.config.receive_psn & ctx_.psn.mask;
 }
 
 PostResult Responder::post_receive(const ReceiveWork& work) {
@@ -33,10 +33,25 @@ PostResult Responder::post_receive(const ReceiveWork& work) {
   return PostResult::ok;
 }
 
-void Responder::fill_acknowledgement(Header& h, uint64_t transmit_now) const {
+void Responder::fill_acknowledgement(Header& h, uint64_t transmit_now) {
   h.has_ack = true;
   h.ack_psn = epsn_;
-  h.sack_bitmap = sack_bitmap();
+  h.sack_offset = 0;
+  h.sack_bitmap = 0;
+  if (diff(received_end_, epsn_) > 1) {
+    // Past the first hole: the 64 PSNs after it, unless arrivals further on
+    // wait to be reported (then from the lowest of them, 64 at a time).
+    const uint32_t first = add(epsn_, 1);
+    if (diff(sack_cursor_, first) < 0) sack_cursor_ = first;
+    uint32_t base = first;
+    if (diff(sack_cursor_, add(first, 64)) >= 0 && diff(received_end_, sack_cursor_) > 0)
+      base = diff(sack_cursor_, first) <= 0xffff ? sack_cursor_ : add(first, 0xffff);
+    h.sack_offset = uint16_t(diff(base, first));
+    h.sack_bitmap = sack_bitmap(base);
+    if (diff(add(base, 64), sack_cursor_) > 0) sack_cursor_ = add(base, 64);
+  } else {
+    sack_cursor_ = received_end_;
+  }
   h.ack_delay_ns = latest_request_arrival_ && transmit_now >= latest_request_arrival_
                        ? uint32_t(std::min<uint64_t>(transmit_now - latest_request_arrival_, UINT32_MAX))
                        : 0;
@@ -58,12 +73,19 @@ void Responder::flush() {
   ack_due_ = never;
 }
 
-uint64_t Responder::sack_bitmap() const {
-  if (diff(received_end_, epsn_) <= 1) return 0;  // nothing beyond the first hole: the common case
+uint64_t Responder::sack_bitmap(uint32_t base) const {
   uint64_t bits = 0;
-  for (uint32_t i = 0; i < 64; ++i)
-    if (received_[add(epsn_, i + 1) & ctx_.window_mask]) bits |= uint64_t(1) << i;
+  for (uint32_t i = 0; i < 64; ++i) {
+    const uint32_t p = add(base, i);
+    if (diff(p, received_end_) >= 0) break;
+    if (received_[p & ctx_.window_mask]) bits |= uint64_t(1) << i;
+  }
   return bits;
+}
+
+bool Responder::sack_pending() const {
+  return ctx_.config.mode == Mode::stellar && diff(received_end_, add(epsn_, 65)) > 0 &&
+         diff(received_end_, sack_cursor_) > 0;
 }
 
 void Responder::queue_control(uint8_t op, uint8_t syn, uint32_t psn, uint64_t original) {
@@ -118,6 +140,9 @@ void Responder::on_request(const Header& h, uint64_t now) {
   } else {
     if (received_[h.psn & ctx_.window_mask]) {
       ++ctx_.counters.duplicates;
+      // Its report may have been lost with an ACK (on a dead path): the
+      // requester resent it. Report it again.
+      if (diff(h.psn, sack_cursor_) < 0) sack_cursor_ = h.psn;
       schedule_ack(now, true);
       return;
     }
@@ -205,6 +230,7 @@ void Responder::mark_received(uint32_t psn, uint32_t count) {
   }
   for (uint32_t i = 0; i < count; ++i) received_[add(psn, i) & ctx_.window_mask] = 1;
   if (diff(add(psn, count), received_end_) > 0) received_end_ = add(psn, count);
+  if (diff(psn, sack_cursor_) < 0) sack_cursor_ = psn;  // a late arrival behind what was reported: report it
   while (received_[epsn_ & ctx_.window_mask]) {
     received_[epsn_ & ctx_.window_mask] = 0;
     epsn_ = add(epsn_, 1);
@@ -629,17 +655,24 @@ size_t Responder::transmit_responses(PacketWriter& writer, TxBuffer* buffers, si
 
 size_t Responder::transmit_ack(PacketWriter& writer, TxBuffer* buffers, size_t count, uint64_t now) {
   if (count == 0 || ack_due_ > now) return 0;
-  Header h = ctx_.addressed();
-  h.opcode = opcode::acknowledge;
-  h.syndrome = syndrome::ack;
-  h.msn = msn_;
-  h.psn = (epsn_ - 1) & ctx_.psn.mask;
-  unacked_ = 0;
-  ack_due_ = never;
-  buffers[0].piece_count = 0;
-  if (!writer.finish(h, buffers[0])) return 0;
-  ++ctx_.counters.acks_sent;
-  return 1;
+  // One ACK, or (stellar) a few more while arrivals far ahead of the first
+  // hole wait to be reported, 64 PSNs per ACK: sprayed packets overtake by
+  // thousands, and a packet never reported would be resent for nothing.
+  size_t n = 0;
+  do {
+    Header h = ctx_.addressed();
+    h.opcode = opcode::acknowledge;
+    h.syndrome = syndrome::ack;
+    h.msn = msn_;
+    h.psn = (epsn_ - 1) & ctx_.psn.mask;
+    unacked_ = 0;
+    ack_due_ = never;
+    buffers[n].piece_count = 0;
+    if (!writer.finish(h, buffers[n])) break;
+    ++ctx_.counters.acks_sent;
+    ++n;
+  } while (n < count && n < max_acks_per_transmit && sack_pending());
+  return n;
 }
 
 }  // namespace stellar::offload::detail

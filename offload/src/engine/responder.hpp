@@ -40,7 +40,13 @@ class Responder {
   // ---- this side's acknowledgement (stellar: on every packet) ----
 
   // Cumulative ACK, SACK bitmap and ACK delay (measured to `transmit_now`).
-  void fill_acknowledgement(Header& h, uint64_t transmit_now) const;
+  // The SACK reports the 64 PSNs after the first hole, or, while packets
+  // arrived beyond them that no acknowledgement reported yet, the next 64
+  // of those (sack_offset): ACK by ACK every arrival is reported once.
+  void fill_acknowledgement(Header& h, uint64_t transmit_now);
+  // Arrivals beyond the first 64 PSNs past the hole not reported yet: more
+  // pure ACKs are worth sending.
+  bool sack_pending() const;
   // An acknowledgement went out: nothing is held back any more.
   void acknowledgement_sent() {
     unacked_ = 0;
@@ -90,7 +96,8 @@ class Responder {
   uint32_t add(uint32_t p, uint32_t n) const { return ctx_.add(p, n); }
   int32_t diff(uint32_t a, uint32_t b) const { return ctx_.diff(a, b); }
 
-  uint64_t sack_bitmap() const;
+  uint64_t sack_bitmap(uint32_t base) const;
+  static constexpr size_t max_acks_per_transmit = 8;
   void queue_control(uint8_t op, uint8_t syn, uint32_t psn, uint64_t original = 0);
   void schedule_ack(uint64_t now, bool immediately);
   ReceiveWqe* receive_for(uint32_t sequence);
@@ -112,6 +119,7 @@ class Responder {
   uint32_t epsn_ = 0;              // every PSN before this one has arrived
   std::vector<uint8_t> received_;  // stellar: arrival marks for [epsn, epsn + window)
   uint32_t received_end_ = 0;      // one past the highest PSN marked
+  uint32_t sack_cursor_ = 0;       // stellar: the lowest PSN that arrived and no SACK reported yet (about)
   uint32_t msn_ = 0;
   std::vector<ReadResponse> reads_;
   uint32_t reads_head_ = 0, reads_count_ = 0;

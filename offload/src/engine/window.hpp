@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "common.hpp"
+#include "paths.hpp"
 
 namespace stellar::offload::detail {
 
@@ -18,8 +19,9 @@ struct SentWindow {
   uint32_t una = 0;               // oldest PSN not done
   uint32_t max_sent = 0;          // one past the highest PSN ever transmitted
   uint32_t inflight_packets = 0;  // slots with slot_in_flight
+  PathSet& paths;                 // counts each path's packets in flight
 
-  explicit SentWindow(const Context& ctx) : psn(ctx.psn), mask(ctx.window_mask), slots(ctx.config.window_packets) {
+  SentWindow(const Context& ctx, PathSet& p) : psn(ctx.psn), mask(ctx.window_mask), slots(ctx.config.window_packets), paths(p) {
     una = max_sent = ctx.config.send_psn & psn.mask;
   }
 
@@ -33,6 +35,7 @@ struct SentWindow {
     if (s.flags & slot_in_flight) {
       s.flags &= uint8_t(~slot_in_flight);
       --inflight_packets;
+      paths.on_left_flight(s.path);
     }
   }
 };

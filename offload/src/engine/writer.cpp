@@ -1,6 +1,7 @@
 // See writer.hpp.
 #include "writer.hpp"
 
+#include "paths.hpp"
 #include "responder.hpp"
 
 namespace stellar::offload::detail {
@@ -10,6 +11,8 @@ uint32_t PacketWriter::finish(Header& h, TxBuffer& b) {
   if (config.mode == Mode::stellar) {
     responder_.fill_acknowledgement(h, now_);
     responder_.acknowledgement_sent();
+    if (!opcode_is_request(h.opcode)) h.path = replies_.choose();  // requests carry the requester's choice
+    h.echo_path = replies_.echo();
   }
   if (b.piece_count) {
     b.header_length = uint32_t(encode_scattered(config.mode, h, b.data, b.capacity, b.pieces, b.piece_count, b.trailer,
@@ -18,6 +21,7 @@ uint32_t PacketWriter::finish(Header& h, TxBuffer& b) {
   } else {
     b.length = uint32_t(encode(config.mode, h, b.data, b.capacity, config.tx_addresses));
   }
+  b.path = h.path;
   if (b.length) {
     ++ctx_.counters.tx_packets;
     ctx_.counters.tx_bytes += b.length;

@@ -1,7 +1,9 @@
 // Finishes every packet the QP sends, requests and responses alike: in
 // stellar mode it piggy-backs this side's acknowledgement (the responder's
 // cumulative ACK, SACK and ACK delay) and tells the responder an ACK went
-// out; then it encodes (gathering zero-copy pieces) and counts.
+// out, puts a response or ACK on its reply path and echoes the path of the
+// latest packet received (ReplyPaths); then it encodes (gathering zero-copy
+// pieces) and counts.
 //
 // May call: the Responder's acknowledgement interface (fill_acknowledgement,
 // acknowledgement_sent) and the wire codecs. The requester reaches the
@@ -13,10 +15,11 @@
 namespace stellar::offload::detail {
 
 class Responder;
+class ReplyPaths;
 
 class PacketWriter {
  public:
-  PacketWriter(Context& ctx, Responder& responder) : ctx_(ctx), responder_(responder) {}
+  PacketWriter(Context& ctx, Responder& responder, ReplyPaths& replies) : ctx_(ctx), responder_(responder), replies_(replies) {}
 
   // transmit() is building packets at `now` (the ACK delay is measured to it).
   void set_now(uint64_t now) { now_ = now; }
@@ -27,6 +30,7 @@ class PacketWriter {
  private:
   Context& ctx_;
   Responder& responder_;
+  ReplyPaths& replies_;
   uint64_t now_ = 0;
 };
 

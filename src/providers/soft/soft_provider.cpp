@@ -277,6 +277,7 @@ class SoftContext final : public Context, public host::HostClient {
     h.udp_port = options_.udp_port;
     h.mode = engine_mode();
     h.mtu = options_.mtu;
+    h.paths = options_.mode == Mode::roce ? 1 : options_.paths;
     h.faults = host::FaultOptions{options_.faults.drop, options_.faults.duplicate, options_.faults.reorder, options_.faults.seed};
     h.engine_thread = options_.progress == ProgressMode::thread;
     h.adaptive_wait = options_.wait == WaitPolicy::adaptive;
@@ -290,8 +291,9 @@ class SoftContext final : public Context, public host::HostClient {
     auto& t = tenants_[""];
     t.name = "";
     t.pkey = 0xffff;
-    log().info("soft provider: {} mode on {}:{}, mtu {}, UDP GSO {}, GRO {}, {} progress, faults drop {} dup {} reorder {}",
-               to_string(options_.mode), local_address(), local_port(), options_.mtu, host_->gso() ? "on" : "off",
+    log().info("soft provider: {} mode on {}:{}, mtu {}, {} paths ({}), UDP GSO {}, GRO {}, {} progress, faults drop {} dup {} reorder {}",
+               to_string(options_.mode), local_address(), local_port(), options_.mtu, h.paths, to_string(options_.path_policy),
+               host_->gso() ? "on" : "off",
                host_->gro() ? "on" : "off", host_->placement(),
                options_.faults.drop, options_.faults.duplicate, options_.faults.reorder);
     host_->start();
@@ -555,6 +557,13 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
           case CongestionControl::none: e.cc = off::CcAlgorithm::none; break;
           case CongestionControl::dcqcn: e.cc = off::CcAlgorithm::dcqcn; break;
           case CongestionControl::swift: e.cc = off::CcAlgorithm::swift; break;
+        }
+        e.paths = c.options_.paths;
+        switch (c.options_.path_policy) {
+          case PathPolicy::oblivious: e.path_policy = off::PathPolicy::oblivious; break;
+          case PathPolicy::reps: e.path_policy = off::PathPolicy::reps; break;
+          case PathPolicy::two_choices: e.path_policy = off::PathPolicy::two_choices; break;
+          case PathPolicy::bandit: e.path_policy = off::PathPolicy::bandit; break;
         }
         e.cc_config.line_rate_bps = c.options_.line_rate_bps;
         e.cc_config.swift_target_delay_ns = uint64_t(c.options_.cc_target_delay.count());
@@ -1037,6 +1046,8 @@ ContextCounters SoftContext::counters() const {
   c.rx_coalesced = h.coalesced;
   c.engine_cpu_ns = h.engine_cpu_ns;
   c.daemon_refused_entries = h.refused_entries;
+  c.spurious_retransmits = sum.spurious_retransmits;
+  c.paths_retired = sum.paths_retired;
   return c;
 }
 

@@ -148,6 +148,27 @@ class CompletionSink {
   virtual void deliver(const Completion&) = 0;
 };
 
+// How a stellar-mode QP chooses the path of each request (docs/multipath.md).
+enum class PathPolicy : uint8_t {
+  oblivious,    // round robin over every path that is not retired
+  reps,         // REPS: reuse paths whose packets came back clean, explore others
+  two_choices,  // power of two choices on expected delay (RTT, loss rate, packets queued)
+  bandit,       // UCB1 bandit over a per-path reward (low RTT, no loss)
+};
+const char* to_string(PathPolicy);
+// Parses "oblivious", "reps", "two-choices" or "bandit"; false otherwise.
+bool parse_path_policy(const char* text, PathPolicy& out);
+inline constexpr uint16_t max_paths = 256;
+
+// One path's state, for telemetry and tests (QpEngine::path_info).
+struct PathInfo {
+  uint64_t srtt_ns = 0, min_rtt_ns = 0;  // 0: no sample yet
+  uint32_t inflight_packets = 0;
+  double loss_rate = 0;                  // smoothed, per packet
+  bool retired = false;                  // no packet goes there until its probe time
+  uint64_t sent_packets = 0, acknowledged_packets = 0, lost_packets = 0, retirements = 0;
+};
+
 struct EngineConfig {
   Mode mode = Mode::stellar;
   uint32_t mtu = 4096;             // payload bytes per packet (path MTU as RoCE counts it)
@@ -189,6 +210,14 @@ struct EngineConfig {
   // response) still finds most of them queued and cuts them short, instead
   // of all of them being in the requester's socket already.
   uint32_t max_response_burst = 32;
+  // stellar mode: the paths (entropies) requests are sprayed over, 1 to
+  // max_paths; the host maps path i to one of its source ports. roce mode
+  // always uses one. The policy chooses among them; a chosen path is kept
+  // for path_burst_packets packets (one GSO message's worth) before the next
+  // choice.
+  uint16_t paths = 1;
+  PathPolicy path_policy = PathPolicy::two_choices;
+  uint32_t path_burst_packets = 16;
   CcAlgorithm cc = CcAlgorithm::none;
   CcConfig cc_config{};
   IcrcAddresses tx_addresses{};    // roce mode ICRC of what we send
@@ -207,6 +236,7 @@ struct TxBuffer {
   PayloadPiece pieces[max_segments] = {};
   uint8_t trailer[8] = {};
   uint32_t trailer_length = 0;
+  uint16_t path = 0;           // the path (entropy) index it leaves on (Header::path)
 };
 
 struct EngineCounters {
@@ -232,6 +262,9 @@ struct EngineCounters {
   // dropped, asked for again by the requester after its timeout.
   uint64_t requests_dropped_full = 0;
   uint64_t completions = 0;
+  // stellar: paths retired after losses in a row or a timeout (failover);
+  // each is probed again later.
+  uint64_t paths_retired = 0;
 };
 
 // Copies a (possibly scattered) datagram into one contiguous buffer; returns
@@ -324,6 +357,8 @@ class QpEngine {
   uint64_t rto_ns() const;
   uint64_t smoothed_rtt_ns() const;
   const CongestionControl& congestion_control() const;
+  // The state of path `path` (< config().paths); false if there is none.
+  bool path_info(uint16_t path, PathInfo& out) const;
 
  private:
   struct State;

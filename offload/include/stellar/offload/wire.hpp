@@ -109,12 +109,26 @@ struct Header {
   // stellar mode: piggy-backed acknowledgement of the reverse direction.
   bool has_ack = false;
   uint32_t ack_psn = 0;        // every PSN before this one has arrived
-  uint64_t sack_bitmap = 0;    // bit i: ack_psn + 1 + i has arrived
+  uint64_t sack_bitmap = 0;    // bit i: ack_psn + 1 + sack_offset + i has arrived
+  // Where the SACK's 64 PSNs start past ack_psn + 1. 0: right after the
+  // first hole; more when packets sprayed over paths of different delays
+  // arrive further ahead than 64 PSNs (the responder reports them in turn).
+  uint16_t sack_offset = 0;
   // stellar mode, with has_ack: nanoseconds the acknowledging side held the
   // latest request it acknowledges (from its arrival in the kernel to this
   // packet's sending), saturating. The requester takes it out of its RTT
   // sample so that congestion control sees the network, not host delay.
   uint32_t ack_delay_ns = 0;
+  // stellar mode: the path (entropy) index the packet left on. The host maps
+  // it to one of its UDP source ports, which ECMP hashes onto a route. A
+  // request carries the path its sender chose; a response or ACK carries the
+  // path of the latest request its sender received, so that both directions
+  // of a path fail and recover together. 0 in roce mode (one path).
+  uint16_t path = 0;
+  // stellar mode: the path index of the latest packet its sender received
+  // from us: proof that our path works (the reply path of our ACKs avoids
+  // paths that stay unconfirmed). 0 in roce mode.
+  uint16_t echo_path = 0;
   // Payload (points into the decoded buffer).
   const uint8_t* payload = nullptr;
   uint32_t payload_length = 0;

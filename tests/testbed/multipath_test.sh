@@ -1,0 +1,128 @@
+#!/bin/bash
+# Multipath over the leaf–spine testbed (issue 14): one stellar-mode
+# connection from host 1.1 to host 2.1 across 4 spines, with stellar_stream
+# (bench/stream.cpp), which checks every byte at the receiver and fails on
+# any error completion. One case per invocation, on its own namespace prefix,
+# torn down on exit. Assertions are on bytes, counters and packet counts,
+# never on time.
+#
+#   spray      every spine carries part of the one connection (spine counters)
+#   blackhole  a spine drops everything mid-transfer (no route change): the
+#              connection retires its paths there and finishes, no error
+#   lossy      a spine drops 1% from the start
+#   degraded   a spine's links limited to 10% of the others' rate (tbf)
+#   roce       the baseline: roce mode (one path) finishes over the same fabric
+#
+# Usage: tests/testbed/multipath_test.sh CASE BUILD_DIR
+# Exit 77 (ctest SKIP) when not root or `ip netns` is unavailable.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+testbed=$here/../../bench/fabric/testbed.sh
+case_name=${1:?case}
+build=$(cd "${2:?build dir}" && pwd)
+stream=$build/bench/stellar_stream
+[[ -x $stream ]] || { echo "no $stream"; exit 1; }
+
+if (($(id -u) != 0)) || ! ip netns list > /dev/null 2>&1; then
+  echo "SKIP: needs root and ip netns"
+  exit 77
+fi
+export STB_PREFIX="stbm-$case_name-"
+work=$(mktemp -d)
+server_pid=
+cleanup() {
+  [[ -n $server_pid ]] && kill "$server_pid" 2> /dev/null || true
+  "$testbed" down
+  rm -rf "$work"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+fail() {
+  echo "FAIL: $*"
+  echo "--- server:"; cat "$work/server.log" || true
+  echo "--- client:"; cat "$work/client.log" || true
+  "$testbed" status || true
+  exit 1
+}
+
+"$testbed" up --spines 4 --hosts 1 > /dev/null
+server_addr=$("$testbed" addr 2 1)
+client_addr=$("$testbed" addr 1 1)
+spine_counts() { "$testbed" counters | awk '{print $2}' | paste -sd' '; }
+
+# stream CHUNKS CHUNK_BYTES [stellar_stream options...]: runs the server in
+# host 2.1 and the client in host 1.1 in the background; wait_stream waits.
+start_stream() {
+  local chunks=$1 chunk=$2
+  shift 2
+  : > "$work/server.log"
+  "$testbed" exec 2 1 "$stream" --bind "$server_addr" -p 18600 -s "$chunk" --wait_client 60 "$@" > "$work/server.log" 2>&1 &
+  server_pid=$!
+  for _ in $(seq 200); do
+    grep -q "waiting on" "$work/server.log" && break
+    sleep 0.05
+  done
+  grep -q "waiting on" "$work/server.log" || fail "the server did not start"
+  "$testbed" exec 1 1 "$stream" "$server_addr" --bind "$client_addr" -p 18600 -s "$chunk" -n "$chunks" "$@" > "$work/client.log" 2>&1 &
+  client_pid=$!
+}
+wait_stream() {
+  local rc=0
+  wait "$client_pid" || rc=$?
+  ((rc == 0)) || fail "the client failed (exit $rc)"
+  rc=0
+  wait "$server_pid" || rc=$?
+  server_pid=
+  ((rc == 0)) || fail "the server failed (exit $rc)"
+  grep -q "verified $1 chunks.*mismatches 0" "$work/server.log" || fail "the server did not verify $1 chunks byte-exact"
+  cat "$work/client.log" "$work/server.log" | grep -E '^stream'
+}
+field() { grep -o "$1 [0-9.]*" "$work/client.log" | awk '{print $2}'; }
+
+case $case_name in
+  spray)
+    # 32 paths: the chance that the hash leaves a spine without any is 4 x (3/4)^32.
+    read -r -a before <<< "$(spine_counts)"
+    start_stream 200 262144 --paths 32
+    wait_stream 200
+    read -r -a after <<< "$(spine_counts)"
+    total=0
+    for i in 0 1 2 3; do total=$((total + after[i] - before[i])); done
+    for i in 0 1 2 3; do
+      d=$((after[i] - before[i]))
+      echo "spine $((i + 1)): $d packets of $total"
+      ((d * 50 >= total)) || fail "spine $((i + 1)) carried $d of $total packets (under 2%)"
+    done
+    ;;
+
+  blackhole)
+    start_stream 1200 262144 --paths 16
+    sleep 0.4
+    "$testbed" set-loss spine 2 100
+    wait_stream 1200
+    (($(field paths_retired) >= 1)) || fail "no path was retired"
+    ;;
+
+  lossy)
+    "$testbed" set-loss spine 1 1
+    start_stream 600 262144 --paths 16
+    wait_stream 600
+    ;;
+
+  degraded)
+    for s in 1 2 3; do "$testbed" set-link-rate 1 "$s" 1gbit; "$testbed" set-link-rate 2 "$s" 1gbit; done
+    "$testbed" set-link-rate 1 4 100mbit
+    "$testbed" set-link-rate 2 4 100mbit
+    start_stream 200 262144 --paths 16
+    wait_stream 200
+    ;;
+
+  roce)
+    start_stream 200 262144 --mode roce
+    wait_stream 200
+    grep -q "paths 1 " "$work/client.log" || fail "roce mode used more than one path"
+    ;;
+
+  *) echo "unknown case $case_name"; exit 2 ;;
+esac
+echo "PASS: $case_name"
