@@ -44,6 +44,7 @@ struct Options {
   uint16_t paths = 0;  // 0: the context's default (ContextOptions, STELLAR_PATHS)
   std::string policy;
   double stall_ms = 10;
+  double split = 0;  // client: goodput before and after this many seconds, apart
   uint32_t wait_client = 60;
   std::string out_json;
 };
@@ -103,6 +104,8 @@ int main(int argc, char** argv) {
   app.add_option("--stall_ms", o.stall_ms, "Gaps between chunk completions longer than this count as stalled time")
       ->capture_default_str()
       ->check(CLI::Range(0.001, 60000.0));
+  app.add_option("--split", o.split, "Client: also report goodput before and after this many seconds (a fault injected then)")
+      ->check(CLI::Range(0.0, 86400.0));
   app.add_option("--wait_client", o.wait_client, "Server: seconds to wait for a client")->capture_default_str()->check(CLI::Range(1u, 86400u));
   app.add_option("--out_json", o.out_json, "Client: also write the result to this JSON file");
   CLI11_PARSE(app, argc, argv);
@@ -216,7 +219,9 @@ int main(int argc, char** argv) {
   const bool timed = o.duration > 0;
   const uint64_t total = timed ? UINT64_MAX : o.chunks;
   uint64_t posted = 0, written = 0, credited = 0;
-  std::vector<double> completion_s;  // when each chunk's WRITE completed
+  std::vector<double> post_s(o.slots);  // when the chunk in each slot was posted
+  std::vector<double> latency_ms;       // each chunk: post to WRITE completion
+  uint64_t before_split = 0;            // chunks completed before --split
   const auto start = Clock::now();
   const auto end_by = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(o.duration));
   auto last_progress = start;
@@ -239,6 +244,7 @@ int main(int argc, char** argv) {
       wr.rkey = remote.rkey;
       wr.flags = send_signaled;
       check(qp->post_send(wr), "post WRITE");
+      post_s[posted % o.slots] = std::chrono::duration<double>(Clock::now() - start).count();
       ++posted;
     }
     const int n = cq->poll(wc);
@@ -254,6 +260,8 @@ int main(int argc, char** argv) {
         if (gap * 1000 > o.stall_ms) stalled += gap;
         previous = t;
         last_progress = now;
+        latency_ms.push_back((t - post_s[w.wr_id % o.slots]) * 1000);
+        if (o.split > 0 && t < o.split) ++before_split;
       } else if (w.opcode == WcOpcode::recv || w.opcode == WcOpcode::recv_rdma_with_imm) {
         ++credited;
         check(qp->post_recv(RecvWr{w.wr_id, {}}), "post_recv");
@@ -283,11 +291,19 @@ int main(int argc, char** argv) {
   }
   const ContextCounters c = context->counters();
   const double bytes = double(written) * o.chunk;
+  std::sort(latency_ms.begin(), latency_ms.end());
+  auto pct = [&](double p) { return latency_ms.empty() ? 0.0 : latency_ms[std::min(latency_ms.size() - 1, size_t(p * double(latency_ms.size())))]; };
+  const double p50 = pct(0.5), p99 = pct(0.99);
+  // Goodput before and after --split (seconds since the start).
+  const double before_gbs = o.split > 0 ? double(before_split) * o.chunk / std::min(o.split, seconds) / 1e9 : 0;
+  const double after_gbs = o.split > 0 && seconds > o.split ? double(written - before_split) * o.chunk / (seconds - o.split) / 1e9 : 0;
   const char* policy = to_string(co.path_policy);
   std::printf("stream: mode %s paths %u policy %s chunk %u chunks %llu bytes %.0f seconds %.3f goodput %.4f GB/s longest_gap_ms %.3f "
-              "stalled_ms %.3f stalled_fraction %.5f retransmitted %llu timeouts %llu tail_probes %llu paths_retired %llu spurious %llu\n",
+              "stalled_ms %.3f stalled_fraction %.5f chunk_p50_ms %.3f chunk_p99_ms %.3f before_split %.4f after_split %.4f "
+              "retransmitted %llu timeouts %llu tail_probes %llu paths_retired %llu spurious %llu\n",
               o.mode.c_str(), o.mode == "roce" ? 1u : unsigned(co.paths), policy, o.chunk, (unsigned long long)written, bytes, seconds,
-              bytes / seconds / 1e9, longest_gap * 1000, stalled * 1000, stalled / seconds, (unsigned long long)c.retransmitted_packets,
+              bytes / seconds / 1e9, longest_gap * 1000, stalled * 1000, stalled / seconds, p50, p99, before_gbs, after_gbs,
+              (unsigned long long)c.retransmitted_packets,
               (unsigned long long)c.timeouts, (unsigned long long)c.tail_probes, (unsigned long long)c.paths_retired,
               (unsigned long long)c.spurious_retransmits);
   if (!o.out_json.empty()) {
@@ -301,6 +317,10 @@ int main(int argc, char** argv) {
                      {"longest_gap_ms", longest_gap * 1000},
                      {"stalled_ms", stalled * 1000},
                      {"stalled_fraction", stalled / seconds},
+                     {"chunk_p50_ms", p50},
+                     {"chunk_p99_ms", p99},
+                     {"goodput_before_split_gbs", before_gbs},
+                     {"goodput_after_split_gbs", after_gbs},
                      {"retransmitted", c.retransmitted_packets},
                      {"timeouts", c.timeouts},
                      {"paths_retired", c.paths_retired}};

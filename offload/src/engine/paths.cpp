@@ -126,15 +126,18 @@ uint16_t PathSet::pick_two_choices(uint64_t now, int avoid) {
   return cost(paths_[size_t(b)]) < cost(paths_[size_t(a)]) ? uint16_t(b) : uint16_t(a);
 }
 
-// UCB1: the path with the best mean reward plus an exploration bonus that
-// shrinks as the path is tried. Paths never tried go first.
+// UCB1 scores (mean reward plus an exploration bonus that shrinks as the
+// path is tried; untried paths first), taken over four paths drawn at
+// random rather than all of them: the argmax over all would put every burst
+// on the one best path, and one path is one link's capacity. The sample
+// keeps the load spread while the scores steer it.
 uint16_t PathSet::pick_bandit(uint64_t now, int avoid) {
   const uint16_t n = count();
   int best = -1;
   double best_value = -1;
   const double log_total = std::log(double(total_pulls_ + 1));
-  for (uint16_t i = 0; i < n; ++i) {
-    const uint16_t c = uint16_t((next_ + i) % n);  // ties: rotate
+  for (int draw = 0; draw < 8; ++draw) {
+    const uint16_t c = uint16_t(random() % n);
     const Path& p = paths_[c];
     if (c == avoid || !usable(p, now)) continue;
     const double value = p.pulls == 0 ? 1e9 : double(p.reward) / one + std::sqrt(2.0 * log_total / double(p.pulls));
@@ -142,9 +145,9 @@ uint16_t PathSet::pick_bandit(uint64_t now, int avoid) {
       best_value = value;
       best = c;
     }
+    if (draw >= 3 && best >= 0) break;  // four usable draws at most
   }
   if (best < 0) return pick_oblivious(now, avoid);
-  next_ = uint16_t((best + 1) % n);
   return uint16_t(best);
 }
 
@@ -211,7 +214,23 @@ void PathSet::on_lost(uint16_t path, uint64_t now, bool timeout) {
   p.reward -= p.reward >> 3;  // a loss costs a recovery: far worse than a slow ACK
   p.clean_run = 0;
   if (p.consecutive_losses < 255) ++p.consecutive_losses;
-  if (paths_.size() > 1 && (timeout || p.probing || p.consecutive_losses >= losses_to_retire)) retire(path, now);
+  if (paths_.size() == 1) return;
+  if (timeout || p.probing || (p.consecutive_losses >= losses_to_retire && worse_than_others(path))) retire(path, now);
+}
+
+// Losses in a row on a path that loses no more than the others are
+// congestion (a queue overflowing drops a run of packets on every path), not
+// a failure: retiring it would only crowd the rest.
+bool PathSet::worse_than_others(uint16_t path) const {
+  uint64_t sum = 0;
+  uint32_t n = 0;
+  for (uint16_t i = 0; i < count(); ++i) {
+    if (i == path || paths_[i].retired_until != 0) continue;
+    sum += paths_[i].loss;
+    ++n;
+  }
+  const uint64_t others = n ? sum / n : 0;
+  return paths_[path].loss > 4 * others + one / 64;
 }
 
 void PathSet::retire(uint16_t path, uint64_t now) {

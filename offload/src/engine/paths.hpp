@@ -93,6 +93,7 @@ class PathSet {
   uint16_t pick_two_choices(uint64_t now, int avoid);
   uint16_t pick_bandit(uint64_t now, int avoid);
   uint64_t cost(const Path& p) const;
+  bool worse_than_others(uint16_t path) const;
   void retire(uint16_t path, uint64_t now);
   uint64_t random() {  // xorshift64*
     state_ ^= state_ >> 12;
