@@ -1,7 +1,8 @@
 #!/bin/bash
 # Multipath benchmarks on the leaf–spine testbed (issue 14, docs/multipath.md):
 # stellar mode (sprayed over 16 paths) beside roce mode (one path, ECMP) on
-# the same fabric, with stellar_stream (every byte checked at the receiver).
+# the same fabric, with stellar_stream (every byte checked at the receiver;
+# 64 KiB WRITEs, 64 in flight).
 #
 # The fabric, not the CPU, is the bottleneck: every leaf–spine link is
 # limited with tbf to RATE (default 200mbit) each way, so four spines carry
@@ -12,12 +13,16 @@
 #
 # Scenarios (each round; medians over rounds where there are several):
 #   healthy    4 spines up
-#   failover   spine 2 blackholed (drops everything, no route change) 2 s into 6 s:
-#              goodput before/after, longest gap between 64 KiB chunk completions
+#   failover   spine 2 blackholed (drops everything, no route change) 2.3 s into 6 s:
+#              goodput before/after 2.5 s, longest gap between chunk completions
 #   lossy      spine 1 drops 1%, flows not pinned (new source ports every run)
 #   degraded   spine 4's links at RATE/10: every path policy and roce, goodput and
 #              p99 chunk completion time
 #   flap       spine 2 blackholed 1 s of every 10 s for 30 s: time in gaps > 10 ms
+# roce mode runs with its DCQCN line rate at RATE (--line_rate_mbps): a NIC
+# whose rate is one link's, as on a real fabric; left at the default
+# (100 Gbit/s) it floods its one path, tbf drops, and go-back-N collapses to
+# about a seventh of the link.
 # Prints one line per run and a summary table; needs root (network namespaces).
 set -euo pipefail
 build=$(cd "${1:?usage: multipath_compare.sh BUILD [ROUNDS] [RATE]}" && pwd)
@@ -28,6 +33,7 @@ testbed=$here/fabric/testbed.sh
 stream=$build/bench/stellar_stream
 export STB_PREFIX=stbb-
 trap '"$testbed" down > /dev/null 2>&1 || true' EXIT
+mbps=$(python3 -c "import re,sys; m=re.fullmatch(r'(\d+)(\w+)', sys.argv[1]); print(int(m[1]) * {'kbit': 1e-3, 'mbit': 1, 'gbit': 1000}[m[2]])" "$rate" | cut -d. -f1)
 slow=$(python3 -c "import re,sys; m=re.fullmatch(r'(\d+)(\w+)', sys.argv[1]); print(f'{int(m[1])//10}{m[2]}')" "$rate")
 
 "$testbed" up --spines 4 --hosts 1 > /dev/null
@@ -42,18 +48,44 @@ limit_all() {  # RATE for every link, spine 4's at $1
 clear_faults() { for s in 1 2 3 4; do "$testbed" set-loss spine "$s" 0; done; }
 server=$("$testbed" addr 2 1)
 client=$("$testbed" addr 1 1)
-port=18700
+port=$(shuf -i 18000-18999 -n 1)
 
 # run LABEL SECONDS CHUNK [stream options]: one stream, its result line on stdout.
 run() {
   local label=$1 seconds=$2 chunk=$3
   shift 3
-  port=$((port + 1))
-  "$testbed" exec 2 1 "$stream" --bind "$server" -p "$port" -s "$chunk" --slots 16 "$@" > /tmp/mpc-server.log 2>&1 &
+  # roce: a fresh source port per run (a NIC derives it from the QP), so the
+  # single path is not the same ECMP flow every time.
+  # ($RANDOM would repeat: run() is a fresh subshell every time.)
+  [[ $label == *roce* ]] && set -- "$@" --line_rate_mbps "$mbps" --udp_port_client "$(shuf -i 20000-29999 -n 1)"
+  port=$(shuf -i 18000-18999 -n 1)
+  # --udp_port_client N goes to the client only (as --udp_port N).
+  local server_args=() client_args=() skip=0 a
+  for a in "$@"; do
+    if ((skip)); then
+      skip=0
+      client_args+=("$a")
+      continue
+    fi
+    if [[ $a == --udp_port_client ]]; then
+      skip=1
+      client_args+=(--udp_port)
+      continue
+    fi
+    client_args+=("$a")
+    server_args+=("$a")
+  done
+  "$testbed" exec 2 1 "$stream" --bind "$server" -p "$port" -s "$chunk" --slots 64 "${server_args[@]}" > /tmp/mpc-server.log 2>&1 &
   local spid=$!
   for _ in $(seq 100); do grep -q "waiting on" /tmp/mpc-server.log && break; sleep 0.05; done
   local line
-  line=$("$testbed" exec 1 1 "$stream" "$server" --bind "$client" -p "$port" -s "$chunk" --slots 16 -D "$seconds" "$@" | grep '^stream:') || true
+  line=$("$testbed" exec 1 1 "$stream" "$server" --bind "$client" -p "$port" -s "$chunk" --slots 64 -D "$seconds" "${client_args[@]}" | grep '^stream:') || true
+  # A client that failed (its error is on stderr) leaves the server waiting: stop it.
+  if [[ -z $line ]]; then
+    # (ip netns exec may leave the program itself running: kill it by its command line.)
+    pkill -f "stellar_stream --bind $server -p $port " 2> /dev/null || true
+    line="FAILED"
+  fi
   wait "$spid" || true
   grep -q "mismatches 0" /tmp/mpc-server.log || echo "# $label: the server did not verify the stream byte-exact: $(cat /tmp/mpc-server.log)" >&2
   echo "$label $line"
@@ -65,7 +97,7 @@ results=$(mktemp)
 for ((r = 1; r <= rounds; r++)); do
   limit_all
   clear_faults
-  for mode in stellar roce; do run "healthy-$mode" 5 262144 --mode "$mode" | tee -a "$results"; done
+  for mode in stellar roce; do run "healthy-$mode" 5 65536 --mode "$mode" | tee -a "$results"; done
   for mode in stellar roce; do
     ( sleep 2.3; "$testbed" set-loss spine 2 100 ) &
     run "failover-$mode" 6 65536 --mode "$mode" --split 2.5 | tee -a "$results"
@@ -74,12 +106,12 @@ for ((r = 1; r <= rounds; r++)); do
   done
   "$testbed" set-loss spine 1 1
   for i in 1 2 3; do
-    for mode in stellar roce; do run "lossy-$mode" 4 262144 --mode "$mode" | tee -a "$results"; done
+    for mode in stellar roce; do run "lossy-$mode" 4 65536 --mode "$mode" | tee -a "$results"; done
   done
   clear_faults
   limit_all "$slow"
-  for policy in oblivious reps two-choices bandit; do run "degraded-$policy" 5 262144 --path_policy "$policy" | tee -a "$results"; done
-  run "degraded-roce" 5 262144 --mode roce | tee -a "$results"
+  for policy in oblivious reps two-choices bandit; do run "degraded-$policy" 5 65536 --path_policy "$policy" | tee -a "$results"; done
+  run "degraded-roce" 5 65536 --mode roce | tee -a "$results"
   limit_all
   for mode in stellar roce; do
     (

@@ -45,6 +45,8 @@ struct Options {
   std::string policy;
   double stall_ms = 10;
   double split = 0;  // client: goodput before and after this many seconds, apart
+  uint64_t line_rate_mbps = 0;  // 0: the context's default (ContextOptions::line_rate_bps)
+  uint16_t udp_port = 0;        // 0: any (roce mode tries 4791)
   uint32_t wait_client = 60;
   std::string out_json;
 };
@@ -106,6 +108,12 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0.001, 60000.0));
   app.add_option("--split", o.split, "Client: also report goodput before and after this many seconds (a fault injected then)")
       ->check(CLI::Range(0.0, 86400.0));
+  app.add_option("--line_rate_mbps", o.line_rate_mbps,
+                 "The NIC's line rate for rate-based congestion control (DCQCN, roce mode), Mbit/s (default: the context's)")
+      ->check(CLI::Range(uint64_t(1), uint64_t(10'000'000)));
+  app.add_option("--udp_port", o.udp_port,
+                 "Local UDP port (0: any; roce mode tries 4791, which makes every run the same ECMP flow)")
+      ->capture_default_str();
   app.add_option("--wait_client", o.wait_client, "Server: seconds to wait for a client")->capture_default_str()->check(CLI::Range(1u, 86400u));
   app.add_option("--out_json", o.out_json, "Client: also write the result to this JSON file");
   CLI11_PARSE(app, argc, argv);
@@ -114,8 +122,10 @@ int main(int argc, char** argv) {
   ContextOptions co;
   co.mode = check(parse_mode(o.mode), "mode");
   co.bind_address = o.bind;
+  co.udp_port = o.udp_port;
   co.mtu = o.mtu;
   if (o.paths) co.paths = o.paths;
+  if (o.line_rate_mbps) co.line_rate_bps = o.line_rate_mbps * 1'000'000;
   if (!o.policy.empty()) co.path_policy = check(parse_path_policy(o.policy), "path policy");
   auto context = check(Context::open(co), "open context");
   auto pd = check(context->allocate_pd(), "allocate PD");
@@ -219,7 +229,11 @@ int main(int argc, char** argv) {
   const bool timed = o.duration > 0;
   const uint64_t total = timed ? UINT64_MAX : o.chunks;
   uint64_t posted = 0, written = 0, credited = 0;
-  std::vector<double> post_s(o.slots);  // when the chunk in each slot was posted
+  // When each chunk was posted, by chunk index modulo its size: a credit may
+  // come back before the WRITE's own completion, so more chunks than slots
+  // can be awaiting completion (bounded below).
+  constexpr uint64_t post_ring = 4096;
+  std::vector<double> post_s(post_ring);
   std::vector<double> latency_ms;       // each chunk: post to WRITE completion
   uint64_t before_split = 0;            // chunks completed before --split
   const auto start = Clock::now();
@@ -231,7 +245,7 @@ int main(int argc, char** argv) {
   while (credited < posted || written < posted || posted < total) {
     if (timed && posted == credited && written == posted && Clock::now() >= end_by) break;
     // A slot is free once the server verified what it held.
-    while (posted < total && posted - credited < o.slots && !(timed && Clock::now() >= end_by)) {
+    while (posted < total && posted - credited < o.slots && posted - written < post_ring && !(timed && Clock::now() >= end_by)) {
       uint8_t* p = source.data() + size_t(posted % o.slots) * o.chunk;
       fill(p, o.chunk, posted);
       Sge s{reinterpret_cast<uint64_t>(p), o.chunk, smr->lkey()};
@@ -244,7 +258,7 @@ int main(int argc, char** argv) {
       wr.rkey = remote.rkey;
       wr.flags = send_signaled;
       check(qp->post_send(wr), "post WRITE");
-      post_s[posted % o.slots] = std::chrono::duration<double>(Clock::now() - start).count();
+      post_s[posted % post_ring] = std::chrono::duration<double>(Clock::now() - start).count();
       ++posted;
     }
     const int n = cq->poll(wc);
@@ -260,7 +274,7 @@ int main(int argc, char** argv) {
         if (gap * 1000 > o.stall_ms) stalled += gap;
         previous = t;
         last_progress = now;
-        latency_ms.push_back((t - post_s[w.wr_id % o.slots]) * 1000);
+        latency_ms.push_back((t - post_s[w.wr_id % post_ring]) * 1000);
         if (o.split > 0 && t < o.split) ++before_split;
       } else if (w.opcode == WcOpcode::recv || w.opcode == WcOpcode::recv_rdma_with_imm) {
         ++credited;
