@@ -91,12 +91,13 @@ cmake --install build-test-release --prefix "$prefix" > /dev/null
 readelf -d "$prefix/lib/libstellar.so.0" | grep -q 'Library soname: \[libstellar.so.0\]'
 readelf -d "$prefix/lib/libstellar_coll.so.0" | grep -q 'Library soname: \[libstellar_coll.so.0\]'
 test ! -e "$prefix/lib/libstellar_offload.a"  # linked into libstellar.so, not needed by its users
-for program in stellar stellar_pingpong stellar_allreduce stellar_atomic_lat \
+for program in stellar stellar_pingpong stellar_allreduce stellar_atomic_lat stellar_stream \
     stellar_{write,read,send}_{lat,bw}; do
   test -x "$prefix/bin/$program"
 done
 "$prefix/bin/stellar_pingpong" --help > /dev/null  # the installed RUNPATH finds libstellar.so.0
 "$prefix/bin/stellar_allreduce" --help > /dev/null
+"$prefix/bin/stellar_stream" --help > /dev/null
 consumers "$prefix" shared
 echo "shared install (SONAME libstellar.so.0, programs, pkg-config and find_package consumers): ok"
 # The static option: the libraries alone (no tests, examples, bench or tools).

@@ -187,16 +187,6 @@ const char* to_string(PathPolicy p) {
   return "?";
 }
 
-bool parse_path_policy(const char* text, PathPolicy& out) {
-  for (PathPolicy p : {PathPolicy::oblivious, PathPolicy::reps, PathPolicy::two_choices, PathPolicy::bandit}) {
-    if (std::strcmp(text, to_string(p)) == 0) {
-      out = p;
-      return true;
-    }
-  }
-  return false;
-}
-
 size_t flatten(const TxBuffer& b, uint8_t* out, size_t capacity) {
   if (b.length > capacity) return 0;
   if (b.piece_count == 0) {

@@ -155,9 +155,7 @@ enum class PathPolicy : uint8_t {
   two_choices,  // power of two choices on expected delay (RTT, loss rate, packets queued)
   bandit,       // UCB1 bandit over a per-path reward (low RTT, no loss)
 };
-const char* to_string(PathPolicy);
-// Parses "oblivious", "reps", "two-choices" or "bandit"; false otherwise.
-bool parse_path_policy(const char* text, PathPolicy& out);
+const char* to_string(PathPolicy);  // the public API's names (stellar::to_string(PathPolicy))
 inline constexpr uint16_t max_paths = 256;
 
 // One path's state, for telemetry and tests (QpEngine::path_info).
