@@ -92,6 +92,11 @@ struct ContextOptions {
   // override them at open.
   uint16_t paths = 16;
   PathPolicy path_policy = PathPolicy::two_choices;
+  // soft provider, stellar mode: when bind_address disappears from this host
+  // (renumbering, a failed-over interface), move to the address the kernel
+  // now sends from toward the peers, and keep every connection
+  // (docs/multipath.md, "Address change"). STELLAR_FOLLOW_ADDRESS=0 turns it off.
+  bool follow_address = true;
   std::string device;                          // verbs provider: device name, e.g. "mlx5_0" ("" = chosen by bind_address)
 };
 
@@ -297,6 +302,13 @@ struct ContextCounters {
   // stellar: resends that proved unneeded (the original arrived late), and
   // paths taken out of use after losses in a row or a timeout (failover).
   uint64_t spurious_retransmits = 0, paths_retired = 0;
+  // stellar, address change (docs/multipath.md): peers' moves to a new
+  // address accepted after it echoed our random challenge; challenges sent;
+  // validations refused (a response that answers no challenge of ours, from
+  // another address or with other bytes: a forged migration); datagrams
+  // from an address under validation dropped beyond those held for after
+  // it; this context's own moves (change_address, or following its address).
+  uint64_t migrations = 0, path_challenges = 0, migrations_rejected = 0, migration_dropped = 0, address_changes = 0;
 };
 
 class Context : public std::enable_shared_from_this<Context> {
@@ -323,9 +335,20 @@ class Context : public std::enable_shared_from_this<Context> {
   virtual int progress_fd() const = 0;
   virtual ContextCounters counters() const = 0;
   virtual const ContextOptions& options() const = 0;
-  // Address and port of the soft provider's UDP socket.
+  // Address and port of the soft provider's UDP socket (they change when
+  // the context moves).
   virtual std::string local_address() const = 0;
   virtual uint16_t local_port() const = 0;
+  // Moves the context to another local IPv4 address (soft provider, stellar
+  // mode): its sockets bind there (the same port when free) and every
+  // connected QP carries on; each peer accepts the new address once it has
+  // echoed a random challenge from there, and nothing is lost or delivered
+  // twice. For an address that stays configured (a second interface);
+  // ContextOptions::follow_address handles one that disappears. Errors:
+  // invalid_argument (not IPv4), io_error (cannot bind there), unsupported
+  // (roce mode, the verbs provider, the engine daemon: it follows its
+  // address itself). Thread-safe.
+  virtual Status change_address(const std::string& address) = 0;
 };
 
 }  // namespace stellar

@@ -36,7 +36,7 @@
 namespace stellar::host::daemon {
 
 inline constexpr uint32_t protocol_magic = 0x53544c44;  // "STLD"
-inline constexpr uint32_t protocol_version = 3;  // 3: paths (multipath)
+inline constexpr uint32_t protocol_version = 4;  // 3: paths (multipath); 4: address-change counters
 inline constexpr size_t max_message_bytes = 4096;
 inline constexpr int max_message_fds = 2;  // the open's: shared area memfd, the daemon's end of the bell pair
 

@@ -1,13 +1,19 @@
 #include "host/engine_host.hpp"
 
 #include <arpa/inet.h>
+#include <linux/netlink.h>
+#include <linux/rtnetlink.h>
 #include <poll.h>
 #include <pthread.h>
 #include <sys/eventfd.h>
+#include <sys/random.h>
+#include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstdio>
 
 namespace stellar::host {
 
@@ -41,13 +47,53 @@ struct EngineHost::Engine final : Host::Engine {
   sockaddr_in peer{};
   off::IcrcAddresses rx_addresses{};  // as received: source = the peer
   uint64_t key = 0;                   // pkey << 32 | qpn
+  // Path validation of a new peer address (stellar mode): the address its
+  // packets now come from, the challenge sent there, and what arrived from
+  // it meanwhile (replayed into the engine once the peer echoes the
+  // challenge from there, so that the move loses nothing).
+  struct Held {
+    std::vector<uint8_t> bytes;
+    uint64_t arrival = 0;
+  };
+  struct Validation {
+    bool active = false;
+    sockaddr_in candidate{};
+    uint64_t challenge = 0;
+    uint64_t sent_ns = 0;
+    uint32_t sends = 0;
+    uint16_t receive_port = 0;  // network order; 0: not seen yet
+    uint16_t sent_to_port = 0;  // where the last challenge went
+    std::vector<Held> held;
+  } validation;
 };
+
+namespace {
+// Datagrams held per engine while a new peer address is validated: about
+// one round trip of a fast sender's packets; the rest the sender resends.
+constexpr size_t max_held_datagrams = 128;
+// A challenge goes out again, at most this often, while packets keep coming
+// from the unvalidated address (the first may have been lost).
+constexpr uint64_t min_challenge_interval_ns = 200'000;
+// The kernel's address notifications are read at most this often (one
+// non-blocking recv), so that busy polling does not pay a syscall per round.
+constexpr uint64_t netlink_interval_ns = 1'000'000;
+
+uint64_t random64() {
+  uint64_t v = 0;
+  while (::getrandom(&v, sizeof v, 0) != ssize_t(sizeof v)) {
+  }
+  return v;
+}
+
+bool same_address(const sockaddr_in& a, const sockaddr_in& b) { return a.sin_addr.s_addr == b.sin_addr.s_addr; }
+}  // namespace
 
 EngineHost::EngineHost(std::mutex& lock, HostClient& client) : lock_(lock), client_(client) {}
 
 EngineHost::~EngineHost() {
   stop();
   if (kick_fd_ >= 0) ::close(kick_fd_);
+  if (netlink_fd_ >= 0) ::close(netlink_fd_);
 }
 
 std::optional<SocketError> EngineHost::open(const HostOptions& options) {
@@ -82,6 +128,10 @@ std::optional<SocketError> EngineHost::open(const HostOptions& options) {
     s->send_only();
     paths_.push_back(std::move(s));
   }
+  {
+    std::lock_guard guard(local_lock_);
+    local_ = socket_.local();
+  }
   kick_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   const uint32_t capacity = options_.mtu + uint32_t(off::max_header_bytes) + 64;
   // With GRO one receive may carry up to 64 KiB of coalesced datagrams.
@@ -95,6 +145,20 @@ std::optional<SocketError> EngineHost::open(const HostOptions& options) {
     out_[i] = Datagram{tx_[i].data, capacity, 0, {}, 0};
   }
   filter_ = std::make_unique<FaultFilter>(options_.faults, tx_batch, capacity);
+  if (options_.mode == off::Mode::stellar && options_.follow_address) {
+    // Address notifications, so that a host whose address changes while it
+    // only listens still follows it (a sender notices at its next send).
+    netlink_fd_ = ::socket(AF_NETLINK, SOCK_RAW | SOCK_NONBLOCK | SOCK_CLOEXEC, NETLINK_ROUTE);
+    if (netlink_fd_ >= 0) {
+      sockaddr_nl nl{};
+      nl.nl_family = AF_NETLINK;
+      nl.nl_groups = RTMGRP_IPV4_IFADDR;
+      if (::bind(netlink_fd_, reinterpret_cast<sockaddr*>(&nl), sizeof nl) != 0) {
+        ::close(netlink_fd_);
+        netlink_fd_ = -1;
+      }
+    }
+  }
   return std::nullopt;
 }
 
@@ -195,6 +259,7 @@ void EngineHost::send_datagrams(size_t n, const sockaddr_in& peer) {
     size_t end = start + 1;
     while (end < n && &path_socket(tx_[end].path) == &socket) ++end;
     send_errors_ += filter_->send(socket, out_ + start, int(end - start));
+    if (socket.take_address_error()) address_suspect_ = true;
     start = end;
   }
 }
@@ -243,15 +308,30 @@ bool EngineHost::progress_round_locked(uint64_t now, bool& more) {
           break;
         }
         auto it = engines_.find(uint64_t(pkey) << 32 | qpn);
-        // From the peer: its address, and (roce, one path) its port. A
-        // stellar-mode peer sprays from many source ports; the engine's
-        // token check is what tells it from a forger.
-        if (it == engines_.end() || it->second->peer.sin_addr.s_addr != rx_[i].peer.sin_addr.s_addr ||
-            (options_.mode == off::Mode::roce && it->second->peer.sin_port != rx_[i].peer.sin_port)) {
-          ++unknown_qp_;  // no such QP in that tenant, or not from its peer
+        if (it == engines_.end()) {
+          ++unknown_qp_;  // no such QP in that tenant
           continue;
         }
-        it->second->engine.receive(data, length, it->second->rx_addresses, now, arrival);
+        Engine& e = *it->second;
+        const sockaddr_in& from = rx_[i].peer;
+        if (options_.mode == off::Mode::stellar) {
+          // A stellar-mode peer sprays from many source ports of its
+          // address; the engine's token check tells it from a forger. From
+          // another address: path validation first (connection IDs, not
+          // addresses, name a connection; a new address must prove itself).
+          if (off::opcode_is_path_validation(data[2])) {
+            on_path_validation(e, from, data, length, now);
+            continue;
+          }
+          if (!same_address(e.peer, from)) {
+            on_unvalidated(e, from, data, length, now, arrival);
+            continue;
+          }
+        } else if (!same_address(e.peer, from) || e.peer.sin_port != from.sin_port) {
+          ++unknown_qp_;  // roce: not from its peer's address and port
+          continue;
+        }
+        e.engine.receive(data, length, e.rx_addresses, now, arrival);
       }
     }
     if (n < rx_batch) break;
@@ -265,7 +345,194 @@ bool EngineHost::progress_round_locked(uint64_t now, bool& more) {
   }
   // A datagram held back for reordering goes out now if nothing overtook it.
   send_errors_ += filter_->release_held();
+  if (netlink_fd_ >= 0 && (address_suspect_ || address_changes())) follow_address_locked(now);
   return work;
+}
+
+// ---- address change ----
+
+void EngineHost::send_validation(const Engine& e, const sockaddr_in& to, uint8_t opcode, uint64_t challenge) {
+  const off::EngineConfig& c = e.engine.config();
+  off::Header h;
+  h.opcode = opcode;
+  h.pkey = c.pkey;
+  h.dest_qpn = c.remote_qpn;
+  h.token = c.remote_token;  // the peer's token: the challenge is as authentic as any packet of ours
+  h.challenge = challenge;
+  uint8_t buffer[off::max_header_bytes];
+  const size_t n = off::encode(off::Mode::stellar, h, buffer, sizeof buffer, {});
+  Datagram d{buffer, uint32_t(sizeof buffer), uint32_t(n), to, 0};
+  int error = 0;
+  // From the receiving socket: its address and port are where the peer
+  // sends to once it has validated us.
+  if (n == 0 || socket_.send_batch(&d, 1, error) != 1) ++send_errors_;
+  if (socket_.take_address_error()) address_suspect_ = true;
+}
+
+void EngineHost::on_path_validation(Engine& e, const sockaddr_in& from, const uint8_t* data, uint32_t length,
+                                    uint64_t now) {
+  off::Header h;
+  if (off::decode(off::Mode::stellar, data, length, {}, h) != off::DecodeError::none) {
+    ++malformed_;
+    return;
+  }
+  if (h.token != e.engine.config().local_token) {
+    ++unknown_qp_;  // not from the connection's peer
+    return;
+  }
+  if (h.opcode == off::opcode::path_challenge) {
+    // Answer from here, to wherever it came from (the peer may itself have
+    // moved): the same size as the challenge, so no amplification.
+    send_validation(e, from, off::opcode::path_response, h.challenge);
+    return;
+  }
+  Engine::Validation& v = e.validation;
+  if (!v.active || !same_address(v.candidate, from) || h.challenge != v.challenge) {
+    ++migrations_rejected_;  // answers no challenge of ours: forged, or stale
+    return;
+  }
+  // Validated: the peer is at `from` now (the port it receives on).
+  e.peer = from;
+  e.rx_addresses.source_ip = from.sin_addr.s_addr;
+  e.rx_addresses.source_port = ntohs(from.sin_port);
+  std::vector<Engine::Held> held = std::move(v.held);
+  v = Engine::Validation{};
+  ++migrations_;
+  for (const Engine::Held& d : held)
+    e.engine.receive(d.bytes.data(), d.bytes.size(), e.rx_addresses, now, d.arrival);
+  e.engine.addresses_changed(now);
+  flush_engine(e, now);
+}
+
+void EngineHost::on_unvalidated(Engine& e, const sockaddr_in& from, const uint8_t* data, uint32_t length,
+                                uint64_t now, uint64_t arrival) {
+  off::Header h;
+  if (off::decode(off::Mode::stellar, data, length, {}, h) != off::DecodeError::none) {
+    ++malformed_;
+    return;
+  }
+  if (h.token != e.engine.config().local_token) {
+    ++unknown_qp_;  // not from the connection's peer: changes nothing, costs no challenge
+    return;
+  }
+  Engine::Validation& v = e.validation;
+  if (!v.active || !same_address(v.candidate, from)) {
+    // A new candidate replaces one being validated only once that one had
+    // its time: a token holder cycling source addresses gets at most one
+    // challenge per interval out of us.
+    if (v.active && now - v.sent_ns < min_challenge_interval_ns) {
+      ++migration_dropped_;
+      return;
+    }
+    v = Engine::Validation{};
+    v.active = true;
+    v.candidate = from;
+    v.challenge = random64();
+  }
+  // Where the challenge goes: the peer's receiving socket at the new
+  // address. Packets of path 0 leave from it; until one arrives, the port
+  // the peer received on before (a moving host keeps it when it is free).
+  // Other paths leave from send-only sockets that nobody reads.
+  if (h.path == 0) v.receive_port = from.sin_port;
+  sockaddr_in to = from;
+  to.sin_port = v.receive_port ? v.receive_port : e.peer.sin_port;
+  if (v.held.size() < max_held_datagrams) {
+    v.held.push_back(Engine::Held{std::vector<uint8_t>(data, data + length), arrival});
+  } else {
+    ++migration_dropped_;  // the sender resends it once the address is validated
+  }
+  const uint64_t interval = std::max(min_challenge_interval_ns, 2 * e.engine.smoothed_rtt_ns());
+  const bool port_learned = h.path == 0 && v.sent_to_port != from.sin_port;
+  if (v.sends == 0 || now - v.sent_ns >= interval || port_learned) {
+    send_validation(e, to, off::opcode::path_challenge, v.challenge);
+    v.sent_to_port = to.sin_port;
+    v.sent_ns = now;
+    ++v.sends;
+    ++path_challenges_;
+  }
+}
+
+bool EngineHost::address_changes() {
+  const uint64_t now = monotonic_ns();
+  if (now - netlink_checked_ < netlink_interval_ns) return false;
+  netlink_checked_ = now;
+  bool any = false;
+  char buffer[8192];
+  while (::recv(netlink_fd_, buffer, sizeof buffer, MSG_DONTWAIT) > 0) any = true;
+  return any;
+}
+
+namespace {
+// Whether `address` is still one of this host's: a socket can bind to it.
+bool address_is_local(const sockaddr_in& address) {
+  const int fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return true;  // cannot tell: assume nothing changed
+  sockaddr_in a = address;
+  a.sin_port = 0;
+  const bool local = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 || errno != EADDRNOTAVAIL;
+  ::close(fd);
+  return local;
+}
+
+// The source address the kernel picks toward `peer` now; nullopt if none.
+std::optional<sockaddr_in> source_toward(const sockaddr_in& peer) {
+  const int fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return std::nullopt;
+  sockaddr_in local{};
+  socklen_t length = sizeof local;
+  const bool ok = ::connect(fd, reinterpret_cast<const sockaddr*>(&peer), sizeof peer) == 0 &&
+                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length) == 0 && local.sin_addr.s_addr != 0;
+  ::close(fd);
+  if (!ok) return std::nullopt;
+  return local;
+}
+}  // namespace
+
+void EngineHost::follow_address_locked(uint64_t now) {
+  address_suspect_ = false;
+  if (!options_.follow_address || options_.mode != off::Mode::stellar) return;
+  if (address_is_local(socket_.local())) return;
+  for (auto& [key, e] : engines_) {
+    const auto source = source_toward(e->peer);
+    if (!source) continue;
+    const std::string address = format_ipv4(*source);
+    if (auto error = rebind_locked(address, now)) {
+      std::fprintf(stderr, "stellar: our address %s is gone; rebinding to %s failed: %s\n",
+                   format_ipv4(socket_.local()).c_str(), address.c_str(), error->c_str());
+    }
+    return;
+  }
+}
+
+std::optional<std::string> EngineHost::rebind_locked(const std::string& address, uint64_t now) {
+  if (options_.mode != off::Mode::stellar)
+    return std::string("roce mode names a connection by its addresses and ports: it cannot change address");
+  if (!parse_ipv4(address, 0)) return "not an IPv4 address: '" + address + "'";
+  // The same port if it is free there, so that only the address changes.
+  const uint16_t port = ntohs(socket_.local().sin_port);
+  if (auto e = socket_.rebind(address, port)) {
+    if (e->invalid_address) return e->message;
+    if (auto again = socket_.rebind(address, 0)) return again->message;
+  }
+  for (auto& p : paths_) {
+    if (auto e = p->rebind(address, 0)) return "path socket: " + e->message;  // path 0 still works
+  }
+  options_.bind_address = address;
+  ++rebinds_;
+  const sockaddr_in local = socket_.local();
+  {
+    std::lock_guard guard(local_lock_);
+    local_ = local;
+  }
+  for (auto& [key, e] : engines_) {
+    e->rx_addresses.destination_ip = local.sin_addr.s_addr;
+    e->rx_addresses.destination_port = ntohs(local.sin_port);
+    // Tell every peer at once (an ACK from the new address starts its
+    // validation) and probe for what the move lost.
+    e->engine.addresses_changed(now);
+    flush_engine(*e, now);
+  }
+  return std::nullopt;
 }
 
 void EngineHost::flush_acknowledgements_locked(uint64_t now) {
@@ -290,6 +557,8 @@ HostCounters EngineHost::counters_locked() const {
   c.send_errors = send_errors_;
   c.receive_calls = receive_calls_;
   c.coalesced = coalesced_;
+  c.migrations = migrations_, c.path_challenges = path_challenges_, c.migrations_rejected = migrations_rejected_;
+  c.migration_dropped = migration_dropped_, c.rebinds = rebinds_;
   if (filter_) c.faults = filter_->counters();
   // The engine thread's own CPU clock (it runs nothing else).
   clockid_t clock;

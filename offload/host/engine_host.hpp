@@ -59,7 +59,10 @@ class EngineHost final : public Host {
   void stop() override;
 
   int fd() const override { return socket_.fd(); }  // readable when datagrams wait
-  const sockaddr_in& local() const override { return socket_.local(); }
+  sockaddr_in local() const override {
+    std::lock_guard guard(local_lock_);
+    return local_;
+  }
   bool gso() const override { return socket_.gso(); }
   bool gro() const override { return socket_.gro(); }
   const char* placement() const override { return options_.engine_thread ? "engine-thread" : "inline"; }
@@ -82,6 +85,7 @@ class EngineHost final : public Host {
   void flush_acknowledgements_locked(uint64_t now_ns) override;
   uint64_t next_wakeup_locked(uint64_t now_ns) override;
   HostCounters counters_locked() const override;
+  std::optional<std::string> rebind_locked(const std::string& address, uint64_t now_ns) override;
 
   // ---- without the lock ----
   void kick() override;
@@ -98,6 +102,21 @@ class EngineHost final : public Host {
   // The socket an engine's path index leaves from (index modulo the sockets).
   UdpSocket& path_socket(uint16_t path);
   void engine_thread();
+
+  // ---- address change (stellar mode; docs/multipath.md, "Address change") ----
+  // A path_challenge or path_response for engine `e` from `from`.
+  void on_path_validation(Engine& e, const sockaddr_in& from, const uint8_t* data, uint32_t length, uint64_t now);
+  // A datagram for `e` from an address other than its peer's: held, and the
+  // address challenged; nothing reaches the engine until it is validated.
+  void on_unvalidated(Engine& e, const sockaddr_in& from, const uint8_t* data, uint32_t length, uint64_t now,
+                      uint64_t arrival);
+  void send_validation(const Engine& e, const sockaddr_in& to, uint8_t opcode, uint64_t challenge);
+  // Sends failed as they do when the bound address is gone, or the kernel
+  // reported an address change: if our address is gone, rebind to the one
+  // the kernel now sends from toward a peer.
+  void follow_address_locked(uint64_t now);
+  // Reads the kernel's address notifications (rate-limited); true if any came.
+  bool address_changes();
 
   static constexpr int rx_batch = 32;  // datagrams per receive call
   static constexpr int tx_batch = 64;  // datagrams per transmit pass (and per sendmmsg)
@@ -124,6 +143,14 @@ class EngineHost final : public Host {
   std::thread thread_;
   std::atomic<bool> running_{false};
   uint64_t malformed_ = 0, unknown_qp_ = 0, send_errors_ = 0, receive_calls_ = 0, coalesced_ = 0;
+  uint64_t migrations_ = 0, path_challenges_ = 0, migrations_rejected_ = 0, migration_dropped_ = 0, rebinds_ = 0;
+  // A copy of socket_.local() for readers without the lock (the socket
+  // changes it only under the lock, when the host moves).
+  mutable std::mutex local_lock_;
+  sockaddr_in local_{};
+  int netlink_fd_ = -1;           // RTMGRP_IPV4_IFADDR notifications (follow_address)
+  uint64_t netlink_checked_ = 0;  // when it was last read
+  bool address_suspect_ = false;  // a send failed as if our address were gone
 };
 
 }  // namespace stellar::host

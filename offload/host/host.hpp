@@ -39,6 +39,10 @@ struct HostOptions {
   // received on the first. roce mode: 1.
   uint16_t paths = 1;
   FaultOptions faults;
+  // stellar mode: when the bound address disappears (a send fails, or the
+  // kernel reports an address change), rebind to the address the kernel now
+  // sends from toward the peers (docs/multipath.md, "Address change").
+  bool follow_address = true;
   bool engine_thread = false;  // progress on a thread of the host's (else the caller's)
   bool adaptive_wait = false;  // the thread sleeps after spinning `spin_ns` without work
   uint64_t spin_ns = 0;
@@ -51,6 +55,13 @@ struct HostCounters {
   uint64_t unknown_qp = 0;          // no engine at (pkey, QPN), or not from its peer
   uint64_t send_errors = 0, receive_calls = 0, coalesced = 0;
   FaultCounters faults;
+  // Address change (stellar mode, docs/multipath.md): peers' moves validated
+  // (a challenge echoed from the new address), challenges sent, validations
+  // refused (a response that answers no challenge of ours, from the wrong
+  // address, or with the wrong bytes: a forged migration), datagrams from a
+  // new address dropped while it was being validated (beyond those held for
+  // after it), and this host's own moves (rebinds).
+  uint64_t migrations = 0, path_challenges = 0, migrations_rejected = 0, migration_dropped = 0, rebinds = 0;
   // Daemon placement only: ring entries the daemon refused (forged handles,
   // bad segments).
   uint64_t refused_entries = 0;
@@ -104,7 +115,9 @@ class Host {
   // Readable when there is progress to make (datagrams, or completions from
   // the daemon).
   virtual int fd() const = 0;
-  virtual const sockaddr_in& local() const = 0;
+  // The address and port peers send to. It changes when the host moves
+  // (rebind_locked, HostOptions::follow_address): safe to call from any thread.
+  virtual sockaddr_in local() const = 0;
   virtual bool gso() const = 0;
   virtual bool gro() const = 0;
   virtual const char* placement() const = 0;  // "inline", "engine-thread", "daemon"
@@ -144,6 +157,11 @@ class Host {
   // The earliest timer across engines and the client; UINT64_MAX: none.
   virtual uint64_t next_wakeup_locked(uint64_t now_ns) = 0;
   virtual HostCounters counters_locked() const = 0;
+  // stellar mode: moves this host to `address` (IPv4 text): its sockets bind
+  // there (the same port if free), and every connection carries on from it
+  // once the peer has validated it. An error message if it cannot (roce
+  // mode, which names connections by address; the address is not local).
+  virtual std::optional<std::string> rebind_locked(const std::string& address, uint64_t now_ns) = 0;
 
   // ---- without the lock ----
   // Wakes the engine thread (or a sleep_until_work).

@@ -45,7 +45,7 @@ class RemoteHost final : public Host {
   // (asking for it makes the daemon ring it after every batch; progress
   // drains it).
   int fd() const override;
-  const sockaddr_in& local() const override { return local_; }
+  sockaddr_in local() const override { return local_; }
   bool gso() const override { return gso_; }
   bool gro() const override { return gro_; }
   const char* placement() const override { return "daemon"; }
@@ -68,6 +68,11 @@ class RemoteHost final : public Host {
   void flush_acknowledgements_locked(uint64_t now_ns) override;
   uint64_t next_wakeup_locked(uint64_t now_ns) override;
   HostCounters counters_locked() const override;
+  // The daemon owns the sockets and follows its address itself
+  // (HostOptions::follow_address); a context cannot move it.
+  std::optional<std::string> rebind_locked(const std::string&, uint64_t) override {
+    return std::string("the engine daemon owns the sockets and follows address changes itself");
+  }
 
   void kick() override;
   void sleep_until_work(uint64_t limit_ns, int extra_fd) override;

@@ -45,6 +45,27 @@ std::string format_ipv4(const sockaddr_in& a) {
 
 UdpSocket::~UdpSocket() { close(); }
 
+std::optional<SocketError> UdpSocket::rebind(const std::string& address, uint16_t port) {
+  if (fd_ < 0) return open(address, port);
+  UdpSocket fresh;
+  if (auto e = fresh.open(address, port)) return e;
+  if (::dup2(fresh.fd_, fd_) < 0) return system_error("dup2");
+  // fd_ now names the new socket; fresh closes its own number of it.
+  const bool gso_on = gso_;
+  local_ = fresh.local_;
+  gso_supported_ = fresh.gso_supported_;
+  gro_supported_ = fresh.gro_supported_;
+  gro_ = fresh.gro_;
+  gso_ = gso_on && gso_supported_;
+  prepared_ = nullptr;  // the receive headers point at the batch, not the socket: rebuilt anyway
+  prepared_count_ = 0;
+  sparse_ = false;
+  quiet_receives_ = 0;
+  address_error_ = false;
+  if (send_only_) send_only();
+  return std::nullopt;
+}
+
 void UdpSocket::close() {
   if (fd_ >= 0) ::close(fd_);
   fd_ = -1;
@@ -53,10 +74,12 @@ void UdpSocket::close() {
   prepared_ = nullptr;
   prepared_count_ = 0;
   sparse_ = false;
+  send_only_ = address_error_ = false;
   quiet_receives_ = 0;
 }
 
 void UdpSocket::send_only() {
+  send_only_ = true;
   const int smallest = 1;  // the kernel rounds it up to its minimum
   ::setsockopt(fd_, SOL_SOCKET, SO_RCVBUF, &smallest, sizeof smallest);
 }
@@ -236,6 +259,7 @@ int UdpSocket::send_batch(Datagram* batch, int count, int& error) {
                                 : ::sendmmsg(fd_, messages_.data(), unsigned(messages), MSG_DONTWAIT);
     if (n <= 0) {
       error = errno;
+      if (errno == ENETUNREACH || errno == EADDRNOTAVAIL || errno == EINVAL) address_error_ = true;
       if (errno == EAGAIN || errno == EWOULDBLOCK || errno == ENOBUFS) return done;
       if (sizes[0] > 1 && (errno == EIO || errno == EINVAL)) {
         gso_ = false;  // the path cannot segment: fall back to one datagram per message

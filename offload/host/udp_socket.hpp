@@ -60,6 +60,20 @@ class UdpSocket {
   void send_only();
   // Closes the socket (open may be called again).
   void close();
+  // Binds to address:port (port 0: any) in place of the current binding,
+  // keeping the file descriptor number (a new socket dup2'ed over it, so
+  // that whoever polls fd() keeps polling the right socket; an epoll set
+  // must add it again). GSO and send-only settings carry over. On failure
+  // the socket is unchanged.
+  std::optional<SocketError> rebind(const std::string& address, uint16_t port);
+  // True once since the last call if a send failed the way sends fail when
+  // the bound address is gone (ENETUNREACH, EADDRNOTAVAIL, EINVAL): the
+  // host then looks for its new address (EngineHost, address change).
+  bool take_address_error() {
+    const bool e = address_error_;
+    address_error_ = false;
+    return e;
+  }
   // Send runs of equal-sized datagrams to one peer as one UDP GSO message
   // (one syscall entry and one skb per up to 64 KiB). Off by default: with
   // GSO the kernel numbers IP ids of the segments, which the RoCEv2 ICRC
@@ -90,6 +104,7 @@ class UdpSocket {
   const Datagram* prepared_ = nullptr;  // batch the receive headers were built for
   int prepared_count_ = 0;
   bool sparse_ = false;  // the last receive found at most one datagram
+  bool send_only_ = false, address_error_ = false;
   bool gro_supported_ = false;
   uint32_t quiet_receives_ = 0;  // lone datagrams in a row while GRO is on
   void set_gro(bool on);

@@ -105,7 +105,9 @@ void QpEngine::receive_decoded(const Header& h, uint64_t now_ns, uint64_t arriva
   if (!s.token_accepted(h)) return;
   ++s.ctx.counters.rx_packets;
   const uint64_t arrival = arrival_ns && arrival_ns <= now_ns ? arrival_ns : now_ns;
-  if (h.dest_qpn != s.ctx.config.local_qpn || h.pkey != s.ctx.config.pkey) {
+  // Path validation belongs to the host (it owns the addresses); one that
+  // reaches an engine is out of place.
+  if (h.dest_qpn != s.ctx.config.local_qpn || h.pkey != s.ctx.config.pkey || opcode_is_path_validation(h.opcode)) {
     ++s.ctx.counters.unexpected_packets;
     return;
   }
@@ -153,6 +155,12 @@ uint64_t QpEngine::next_wakeup_ns(uint64_t now_ns) const {
 }
 
 void QpEngine::acknowledge_now(uint64_t now_ns) { s_->responder.acknowledge_now(now_ns); }
+
+void QpEngine::addresses_changed(uint64_t now_ns) {
+  if (s_->ctx.error || s_->ctx.config.mode != Mode::stellar) return;
+  s_->responder.force_acknowledgement(now_ns);
+  s_->recovery.probe_now(now_ns);
+}
 
 size_t QpEngine::transmit_final_acknowledgement(TxBuffer* buffers, size_t count, uint64_t now_ns) {
   if (s_->ctx.error) return 0;

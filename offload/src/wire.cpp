@@ -219,7 +219,7 @@ namespace {
 // ---- header sizes ----
 constexpr size_t roce_bth = 12, roce_reth = 16, roce_aeth = 4, roce_atomic_eth = 28, roce_atomic_ack = 8,
                  imm_bytes = 4, trailer = 4;
-constexpr size_t stellar_base = 48, stellar_reth = 16, stellar_segment = 12;
+constexpr size_t stellar_base = 48, stellar_reth = 16, stellar_segment = 12, stellar_challenge = 8;
 constexpr uint8_t stellar_magic = 0x53;  // 'S'
 // 2: the 64-bit connection token at offset 32 (base header 40 bytes).
 // 3: the path (entropy) index at offset 40, the SACK offset at 42, the echoed
@@ -258,6 +258,7 @@ size_t stellar_header_bytes(const Header& h) {
   if (is_atomic_request(h.opcode)) n += roce_atomic_eth;
   if (h.opcode == opcode::acknowledge || h.opcode == opcode::atomic_acknowledge) n += roce_aeth;
   if (h.opcode == opcode::atomic_acknowledge) n += roce_atomic_ack;
+  if (opcode_is_path_validation(h.opcode)) n += stellar_challenge;
   return n;
 }
 
@@ -319,6 +320,8 @@ bool opcode_is_last(uint8_t op) {
     default: return false;
   }
 }
+bool opcode_is_path_validation(uint8_t op) { return op == opcode::path_challenge || op == opcode::path_response; }
+
 bool opcode_is_request(uint8_t op) {
   return opcode_is_send(op) || opcode_is_write(op) || op == opcode::read_request || is_atomic_request(op);
 }
@@ -444,6 +447,7 @@ size_t write_headers(Mode mode, const Header& h, uint8_t* out, uint32_t pad) {
     p += roce_aeth;
   }
   if (h.opcode == opcode::atomic_acknowledge) put64(p, h.atomic_original);
+  if (opcode_is_path_validation(h.opcode)) put64(p, h.challenge);
   return header;
 }
 
@@ -544,7 +548,7 @@ DecodeError decode(Mode mode, const uint8_t* data, size_t length, const IcrcAddr
   if (data[0] != stellar_magic || data[1] != stellar_version) return DecodeError::bad_version;
   if (length < stellar_base + trailer) return DecodeError::truncated;
   h.opcode = data[2];
-  if (h.opcode > opcode::last_valid) return DecodeError::bad_opcode;
+  if (h.opcode > opcode::last_valid && !opcode_is_path_validation(h.opcode)) return DecodeError::bad_opcode;
   const size_t header = stellar_header_bytes(h);
   if (get16(data + 6) != header) return DecodeError::bad_length;
   if (length < header + trailer) return DecodeError::truncated;
@@ -587,6 +591,7 @@ DecodeError decode(Mode mode, const uint8_t* data, size_t length, const IcrcAddr
     p += roce_aeth;
   }
   if (h.opcode == opcode::atomic_acknowledge) h.atomic_original = get64(p);
+  if (opcode_is_path_validation(h.opcode)) h.challenge = get64(p);
   h.payload = data + header;
   h.payload_length = uint32_t(length - header - trailer);
   if (h.payload_length != 0 && !carries_payload(h.opcode)) return DecodeError::bad_length;

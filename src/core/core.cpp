@@ -52,6 +52,9 @@ Result<std::shared_ptr<Context>> Context::open(const ContextOptions& options) {
     if (!parsed) return Status(Errc::invalid_argument, "STELLAR_PATH_POLICY: " + parsed.status().message());
     effective.path_policy = *parsed;
   }
+  auto follow = config::integer("STELLAR_FOLLOW_ADDRESS", 0, 1);
+  if (!follow) return follow.status();
+  if (*follow) effective.follow_address = **follow == 1;
   if (effective.engined_socket.empty())
     effective.engined_socket = config::text("STELLAR_ENGINED_SOCKET").value_or("/run/stellar/engined.sock");
   if (effective.mtu < 256 || effective.mtu > 16384)

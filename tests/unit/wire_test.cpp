@@ -114,9 +114,45 @@ TEST_P(WireModes, UnknownOpcodeRejected) {
   std::vector<uint8_t> buf(128, 0);
   Header h = sample(opcode::acknowledge);
   const size_t n = encode(GetParam(), h, buf.data(), buf.size(), {});
-  buf[GetParam() == Mode::roce ? 0 : 2] = 0x1f;
-  Header d;
-  EXPECT_EQ(decode(GetParam(), buf.data(), n, {}, d), DecodeError::bad_opcode);
+  // 0x1c is unassigned in both modes; 0x1e/0x1f are the stellar mode's path
+  // validation opcodes, which roce mode refuses.
+  for (uint8_t op : {uint8_t(0x1c), opcode::path_challenge, opcode::path_response}) {
+    if (GetParam() == Mode::stellar && opcode_is_path_validation(op)) continue;
+    buf[GetParam() == Mode::roce ? 0 : 2] = op;
+    Header d;
+    EXPECT_EQ(decode(GetParam(), buf.data(), n, {}, d), DecodeError::bad_opcode) << int(op);
+  }
+}
+
+// Path validation (docs/multipath.md, "Address change"): base header + the
+// 8 challenge bytes + CRC; any other length is refused.
+TEST(StellarWire, PathChallengeCarriesEightBytes) {
+  for (uint8_t op : {opcode::path_challenge, opcode::path_response}) {
+    Header h;
+    h.opcode = op;
+    h.pkey = 0x8001;
+    h.dest_qpn = 0x123456;
+    h.token = 0x1122334455667788ull;
+    h.challenge = 0xa5a5f00dcafe0001ull;
+    std::vector<uint8_t> buf(128, 0);
+    const size_t n = encode(Mode::stellar, h, buf.data(), buf.size(), {});
+    ASSERT_EQ(n, 48u + 8u + 4u);
+    EXPECT_EQ(buf[2], op);
+    EXPECT_EQ(buf[6] << 8 | buf[7], 56) << "header length";
+    uint64_t on_wire = 0;
+    for (int i = 0; i < 8; ++i) on_wire = on_wire << 8 | buf[48 + size_t(i)];
+    EXPECT_EQ(on_wire, h.challenge);
+    Header d;
+    ASSERT_EQ(decode(Mode::stellar, buf.data(), n, {}, d), DecodeError::none);
+    EXPECT_EQ(d.opcode, op);
+    EXPECT_EQ(d.challenge, h.challenge);
+    EXPECT_EQ(d.token, h.token);
+    EXPECT_EQ(d.dest_qpn, h.dest_qpn);
+    EXPECT_EQ(d.payload_length, 0u);
+    for (size_t cut = 0; cut < n; ++cut) EXPECT_NE(decode(Mode::stellar, buf.data(), cut, {}, d), DecodeError::none) << cut;
+    buf[50] ^= 4;
+    EXPECT_EQ(decode(Mode::stellar, buf.data(), n, {}, d), DecodeError::bad_checksum);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, WireModes, ::testing::Values(Mode::stellar, Mode::roce));

@@ -30,6 +30,7 @@
 // does not know it exists.
 #pragma once
 
+#include <algorithm>
 #include <vector>
 
 #include "common.hpp"
@@ -82,6 +83,9 @@ class LossRecovery {
   // (the requester fails the head; nothing else changed but the count).
   Timeout on_timeout(uint64_t now);
   void on_probe(uint64_t now);
+  // The tail-loss probe is due now (an address changed: what was in flight
+  // may be gone, and waiting for the probe timer costs 2 RTTs or more).
+  void probe_now(uint64_t now) { probe_deadline_ = std::min(probe_deadline_, now); }
   // Something was sent: arms the timers if they are not running.
   void on_sent(uint64_t now);
   // The timer restarts now (the head was sent again), or after `until` (RNR wait).

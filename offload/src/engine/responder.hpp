@@ -53,6 +53,8 @@ class Responder {
     ack_due_ = never;
   }
   uint64_t ack_due() const { return ack_due_; }
+  // An acknowledgement is due now, even with nothing held back.
+  void force_acknowledgement(uint64_t now) { ack_due_ = std::min(ack_due_, now); }
   // Makes a held-back acknowledgement due now.
   void acknowledge_now(uint64_t now) {
     if (ack_due_ != never) ack_due_ = std::min(ack_due_, now);

@@ -278,6 +278,7 @@ class SoftContext final : public Context, public host::HostClient {
     h.mode = engine_mode();
     h.mtu = options_.mtu;
     h.paths = options_.mode == Mode::roce ? 1 : options_.paths;
+    h.follow_address = options_.follow_address;
     h.faults = host::FaultOptions{options_.faults.drop, options_.faults.duplicate, options_.faults.reorder, options_.faults.seed};
     h.engine_thread = options_.progress == ProgressMode::thread;
     h.adaptive_wait = options_.wait == WaitPolicy::adaptive;
@@ -342,6 +343,16 @@ class SoftContext final : public Context, public host::HostClient {
   const ContextOptions& options() const override { return options_; }
   std::string local_address() const override { return host::format_ipv4(host_->local()); }
   uint16_t local_port() const override { return ntohs(host_->local().sin_port); }
+  Status change_address(const std::string& address) override {
+    if (!host::parse_ipv4(address, 0)) return Status(Errc::invalid_argument, "not an IPv4 address: '" + address + "'");
+    if (options_.mode == Mode::roce)
+      return Status(Errc::unsupported, "roce mode names a connection by its addresses and ports: it cannot change address");
+    if (daemon()) return Status(Errc::unsupported, "the engine daemon owns the sockets and follows address changes itself");
+    std::lock_guard lock(mutex_);
+    if (auto error = host_->rebind_locked(address, host::monotonic_ns()))
+      return Status(Errc::io_error, "change_address " + address + ": " + *error);
+    return Status::success();
+  }
   bool daemon() const { return options_.progress == ProgressMode::daemon; }
 
   std::shared_ptr<SoftContext> self() { return std::static_pointer_cast<SoftContext>(shared_from_this()); }
@@ -1048,6 +1059,8 @@ ContextCounters SoftContext::counters() const {
   c.daemon_refused_entries = h.refused_entries;
   c.spurious_retransmits = sum.spurious_retransmits;
   c.paths_retired = sum.paths_retired;
+  c.migrations = h.migrations, c.path_challenges = h.path_challenges, c.migrations_rejected = h.migrations_rejected;
+  c.migration_dropped = h.migration_dropped, c.address_changes = h.rebinds;
   return c;
 }
 

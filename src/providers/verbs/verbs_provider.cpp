@@ -238,6 +238,9 @@ class VerbsContext final : public Context {
   const ContextOptions& options() const override { return options_; }
   std::string local_address() const override { return choice_.ipv4.empty() ? options_.bind_address : choice_.ipv4; }
   uint16_t local_port() const override { return roce_v2_udp_port; }
+  Status change_address(const std::string&) override {
+    return Status(Errc::unsupported, "verbs provider: the NIC's GID names the connection (RoCE has no connection IDs)");
+  }
 
   std::shared_ptr<VerbsContext> self() { return std::static_pointer_cast<VerbsContext>(shared_from_this()); }
   ibv_context* context() const { return context_; }

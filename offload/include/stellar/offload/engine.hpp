@@ -329,6 +329,13 @@ class QpEngine {
   // for a while, so that the peer's sends still complete.
   void acknowledge_now(uint64_t now_ns);
 
+  // stellar: the connection's addresses changed (this side moved, or the
+  // host validated the peer's new address). An acknowledgement goes out at
+  // the next transmit even if none is held, and the tail-loss probe if
+  // packets are outstanding, so that within one round trip the peer sees
+  // the new address and each side learns what was lost in the move.
+  void addresses_changed(uint64_t now_ns);
+
   // For a QP being destroyed: its acknowledgement of what it accepted, if one
   // is held back, and nothing else (no requests, no READ responses). What
   // was delivered here must complete at the peer, as a NIC that acknowledged

@@ -47,7 +47,15 @@ inline constexpr uint8_t atomic_acknowledge = 0x12;
 inline constexpr uint8_t compare_swap = 0x13;
 inline constexpr uint8_t fetch_add = 0x14;
 inline constexpr uint8_t last_valid = fetch_add;
+// stellar mode only (unassigned in IBTA RC, never sent in roce mode): path
+// validation when a peer's address changes (docs/multipath.md, "Address
+// change"). A host that sees a connection's packets come from a new address
+// sends a challenge there; the peer answers with the same 8 random bytes
+// from its new address. Handled by the hosts, not the engines.
+inline constexpr uint8_t path_challenge = 0x1e;
+inline constexpr uint8_t path_response = 0x1f;
 }  // namespace opcode
+bool opcode_is_path_validation(uint8_t op);  // path_challenge or path_response
 
 // AETH syndromes (IBTA 9.7.5.1): high 3 bits select ACK / RNR NAK / NAK.
 namespace syndrome {
@@ -129,6 +137,9 @@ struct Header {
   // from us: proof that our path works (the reply path of our ACKs avoids
   // paths that stay unconfirmed). 0 in roce mode.
   uint16_t echo_path = 0;
+  // stellar mode, path_challenge / path_response: the 8 random bytes a
+  // challenge carries and its response echoes.
+  uint64_t challenge = 0;
   // Payload (points into the decoded buffer).
   const uint8_t* payload = nullptr;
   uint32_t payload_length = 0;
