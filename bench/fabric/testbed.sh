@@ -27,6 +27,9 @@
 #                                         "off" removes; LIMIT = queue bytes, default 256kb)
 #   set-link-rate L S RATE [LIMIT]        tbf on both directions of the leaf L–spine S link
 #                                         (leaf's uplink and spine's downlink; "off" removes)
+#   move-host L H N                       renumber host H on leaf L from its address to 10.L.H.N
+#                                         (the new one added, then the old one deleted: what a
+#                                         DHCP renumbering or a failed-over interface does)
 #   counters                              packets forwarded by each spine (rx of its links)
 #   path L1 H1 L2 H2 SPORT DPORT [PROTO]  the spine leaf L1 picks for that flow (udp|tcp)
 set -euo pipefail
@@ -137,6 +140,22 @@ cmd_up() {
   done
   program_routes
   echo "testbed '$P' up: $nl leaves, $ns spines, $nh hosts per leaf"
+}
+
+cmd_move_host() {
+  local l=${1:?leaf} h=${2:?host} n=${3:?new last octet} ns old
+  require_up
+  ((n >= 3 && n <= 254)) || die "move-host: the new last octet must be 3-254 (.1 is the leaf, .2 the first address)"
+  ns=$(host "$l" "$h")
+  old=$(ip -n "$ns" -4 -o addr show dev eth0 | awk '{print $4}' | head -1)
+  [[ -n $old ]] || die "move-host: host $l.$h has no address"
+  # The new address becomes the primary when the old one goes, and the
+  # subnet and default routes stay.
+  in_ns "$ns" sysctl -qw net.ipv4.conf.eth0.promote_secondaries=1
+  ip -n "$ns" addr add "10.$l.$h.$n/24" dev eth0
+  ip -n "$ns" addr del "$old" dev eth0
+  ip -n "$ns" route replace default via "10.$l.$h.1"
+  echo "host $l.$h moved from ${old%/*} to 10.$l.$h.$n"
 }
 
 cmd_status() {
@@ -276,6 +295,7 @@ case $command in
   set-rate) cmd_set_rate "$@" ;;
   set-link-rate) cmd_set_link_rate "$@" ;;
   counters) cmd_counters ;;
+  move-host) cmd_move_host "$@" ;;
   path) cmd_path "$@" ;;
   *) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 2 ;;
 esac

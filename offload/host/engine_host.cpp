@@ -152,7 +152,7 @@ std::optional<SocketError> EngineHost::open(const HostOptions& options) {
     if (netlink_fd_ >= 0) {
       sockaddr_nl nl{};
       nl.nl_family = AF_NETLINK;
-      nl.nl_groups = RTMGRP_IPV4_IFADDR;
+      nl.nl_groups = RTMGRP_IPV4_IFADDR | RTMGRP_IPV4_ROUTE;  // a new address may become usable only with its route
       if (::bind(netlink_fd_, reinterpret_cast<sockaddr*>(&nl), sizeof nl) != 0) {
         ::close(netlink_fd_);
         netlink_fd_ = -1;
@@ -345,7 +345,10 @@ bool EngineHost::progress_round_locked(uint64_t now, bool& more) {
   }
   // A datagram held back for reordering goes out now if nothing overtook it.
   send_errors_ += filter_->release_held();
-  if (netlink_fd_ >= 0 && (address_suspect_ || address_changes())) follow_address_locked(now);
+  if (netlink_fd_ >= 0) {
+    if (address_changes()) address_suspect_ = true;
+    if (address_suspect_) follow_address_locked(now);
+  }
   return work;
 }
 
@@ -489,6 +492,9 @@ std::optional<sockaddr_in> source_toward(const sockaddr_in& peer) {
 }  // namespace
 
 void EngineHost::follow_address_locked(uint64_t now) {
+  // At most every 100 us: while the address is gone every send fails.
+  if (now - follow_checked_ < 100'000) return;
+  follow_checked_ = now;
   address_suspect_ = false;
   if (!options_.follow_address || options_.mode != off::Mode::stellar) return;
   if (address_is_local(socket_.local())) return;

@@ -150,6 +150,7 @@ class EngineHost final : public Host {
   sockaddr_in local_{};
   int netlink_fd_ = -1;           // RTMGRP_IPV4_IFADDR notifications (follow_address)
   uint64_t netlink_checked_ = 0;  // when it was last read
+  uint64_t follow_checked_ = 0;   // when follow_address_locked last looked
   bool address_suspect_ = false;  // a send failed as if our address were gone
 };
 

@@ -51,12 +51,11 @@ std::optional<SocketError> UdpSocket::rebind(const std::string& address, uint16_
   if (auto e = fresh.open(address, port)) return e;
   if (::dup2(fresh.fd_, fd_) < 0) return system_error("dup2");
   // fd_ now names the new socket; fresh closes its own number of it.
-  const bool gso_on = gso_;
   local_ = fresh.local_;
   gso_supported_ = fresh.gso_supported_;
   gro_supported_ = fresh.gro_supported_;
   gro_ = fresh.gro_;
-  gso_ = gso_on && gso_supported_;
+  gso_ = gso_wanted_ && gso_supported_;  // sends that failed as the address went may have turned it off
   prepared_ = nullptr;  // the receive headers point at the batch, not the socket: rebuilt anyway
   prepared_count_ = 0;
   sparse_ = false;

@@ -78,7 +78,10 @@ class UdpSocket {
   // (one syscall entry and one skb per up to 64 KiB). Off by default: with
   // GSO the kernel numbers IP ids of the segments, which the RoCEv2 ICRC
   // covers, so only the stellar mode turns it on.
-  void enable_gso(bool on) { gso_ = on && gso_supported_; }
+  void enable_gso(bool on) {
+    gso_wanted_ = on;
+    gso_ = on && gso_supported_;
+  }
   bool gso() const { return gso_; }
   bool gro() const { return gro_supported_; }  // available (it is switched on under bulk traffic)
   int fd() const { return fd_; }
@@ -105,6 +108,7 @@ class UdpSocket {
   int prepared_count_ = 0;
   bool sparse_ = false;  // the last receive found at most one datagram
   bool send_only_ = false, address_error_ = false;
+  bool gso_wanted_ = false;  // enable_gso's wish: a rebind starts from it, not from a fallback
   bool gro_supported_ = false;
   uint32_t quiet_receives_ = 0;  // lone datagrams in a row while GRO is on
   void set_gro(bool on);

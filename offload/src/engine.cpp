@@ -158,6 +158,7 @@ void QpEngine::acknowledge_now(uint64_t now_ns) { s_->responder.acknowledge_now(
 
 void QpEngine::addresses_changed(uint64_t now_ns) {
   if (s_->ctx.error || s_->ctx.config.mode != Mode::stellar) return;
+  s_->paths.forget_routes();
   s_->responder.force_acknowledgement(now_ns);
   s_->recovery.probe_now(now_ns);
 }

@@ -12,6 +12,9 @@
 #   lossy      a spine drops 1% from the start
 #   degraded   a spine's links limited to 10% of the others' rate (tbf)
 #   roce       the baseline: roce mode (one path) finishes over the same fabric
+#   move       the client's host is renumbered mid-transfer (testbed.sh
+#              move-host): the client follows its address, the server
+#              validates the new one, and the stream finishes byte-exact
 #
 # Usage: tests/testbed/multipath_test.sh CASE BUILD_DIR
 # Exit 77 (ctest SKIP) when not root or `ip netns` is unavailable.
@@ -121,6 +124,18 @@ case $case_name in
     start_stream 200 262144 --mode roce
     wait_stream 200
     grep -q "paths 1 " "$work/client.log" || fail "roce mode used more than one path"
+    ;;
+
+  move)
+    start_stream 3000 65536 --paths 16
+    sleep 0.4
+    "$testbed" move-host 1 1 9
+    wait_stream 3000
+    grep -q "local 10.1.1.9" "$work/client.log" || fail "the client did not move to 10.1.1.9"
+    (($(field address_changes) == 1)) || fail "the client moved $(field address_changes) times, not once"
+    server_migrations=$(grep -o "migrations [0-9]*" "$work/server.log" | awk '{print $2}')
+    ((server_migrations == 1)) || fail "the server validated $server_migrations moves, not one"
+    echo "longest gap between chunk completions (the move's stall, at most): $(field longest_gap_ms) ms"
     ;;
 
   *) echo "unknown case $case_name"; exit 2 ;;

@@ -65,6 +65,18 @@ class PathSet {
   uint64_t slowest_in_flight() const;
   // For telemetry and tests.
   void info(uint16_t path, PathInfo& out) const;
+  // An address changed: every path is a new route now (ECMP hashes the new
+  // address), so what was learned about routes is forgotten: retirements,
+  // probes, losses, rewards. RTT estimates and in-flight counts stay.
+  void forget_routes() {
+    for (Path& p : paths_) {
+      p.retired_until = p.failed_at = 0;
+      p.loss = p.reward = p.pulls = p.clean_run = 0;
+      p.consecutive_losses = p.backoff = 0;
+      p.probing = false;
+      p.probe_until = 0;
+    }
+  }
 
  private:
   struct Path {
