@@ -316,13 +316,13 @@ int main(int argc, char** argv) {
   std::printf("stream: mode %s paths %u policy %s chunk %u chunks %llu bytes %.0f seconds %.3f goodput %.4f GB/s longest_gap_ms %.3f "
               "stalled_ms %.3f stalled_fraction %.5f chunk_p50_ms %.3f chunk_p99_ms %.3f before_split %.4f after_split %.4f "
               "retransmitted %llu timeouts %llu tail_probes %llu paths_retired %llu spurious %llu migrations %llu "
-              "address_changes %llu local %s\n",
+              "address_changes %llu move_to_ack_ms %.3f local %s\n",
               o.mode.c_str(), o.mode == "roce" ? 1u : unsigned(co.paths), policy, o.chunk, (unsigned long long)written, bytes, seconds,
               bytes / seconds / 1e9, longest_gap * 1000, stalled * 1000, stalled / seconds, p50, p99, before_gbs, after_gbs,
               (unsigned long long)c.retransmitted_packets,
               (unsigned long long)c.timeouts, (unsigned long long)c.tail_probes, (unsigned long long)c.paths_retired,
               (unsigned long long)c.spurious_retransmits, (unsigned long long)c.migrations,
-              (unsigned long long)c.address_changes, context->local_address().c_str());
+              (unsigned long long)c.address_changes, double(c.last_address_change_ns) / 1e6, context->local_address().c_str());
   if (!o.out_json.empty()) {
     nlohmann::json j{{"mode", o.mode},
                      {"paths", o.mode == "roce" ? 1 : co.paths},
@@ -342,6 +342,7 @@ int main(int argc, char** argv) {
                      {"timeouts", c.timeouts},
                      {"paths_retired", c.paths_retired},
                      {"address_changes", c.address_changes},
+                     {"move_to_ack_ms", double(c.last_address_change_ns) / 1e6},
                      {"local_address", context->local_address()}};
     std::ofstream(o.out_json) << j.dump(2) << "\n";
   }

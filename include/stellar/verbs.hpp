@@ -309,6 +309,10 @@ struct ContextCounters {
   // from an address under validation dropped beyond those held for after
   // it; this context's own moves (change_address, or following its address).
   uint64_t migrations = 0, path_challenges = 0, migrations_rejected = 0, migration_dropped = 0, address_changes = 0;
+  // The latest of this context's moves: nanoseconds from its rebind to the
+  // first acknowledgement a peer sent to the new address (the peer validated
+  // it and answered). 0: no move yet, or no acknowledgement since.
+  uint64_t last_address_change_ns = 0;
 };
 
 class Context : public std::enable_shared_from_this<Context> {

@@ -76,7 +76,7 @@ constexpr size_t max_held_datagrams = 128;
 constexpr uint64_t min_challenge_interval_ns = 200'000;
 // The kernel's address notifications are read at most this often (one
 // non-blocking recv), so that busy polling does not pay a syscall per round.
-constexpr uint64_t netlink_interval_ns = 1'000'000;
+constexpr uint64_t netlink_interval_ns = 250'000;
 
 uint64_t random64() {
   uint64_t v = 0;
@@ -331,6 +331,13 @@ bool EngineHost::progress_round_locked(uint64_t now, bool& more) {
           ++unknown_qp_;  // roce: not from its peer's address and port
           continue;
         }
+        if (moved_at_ && options_.mode == off::Mode::stellar && (data[3] & 4) != 0) {
+          // The first acknowledgement since this host moved: how long the
+          // move cost (the peer validated the new address and answered).
+          const uint64_t at = arrival ? arrival : monotonic_ns();
+          last_move_ns_ = at > moved_at_ ? at - moved_at_ : 0;
+          moved_at_ = 0;
+        }
         e.engine.receive(data, length, e.rx_addresses, now, arrival);
       }
     }
@@ -525,6 +532,7 @@ std::optional<std::string> EngineHost::rebind_locked(const std::string& address,
   }
   options_.bind_address = address;
   ++rebinds_;
+  moved_at_ = monotonic_ns();
   const sockaddr_in local = socket_.local();
   {
     std::lock_guard guard(local_lock_);
@@ -564,7 +572,7 @@ HostCounters EngineHost::counters_locked() const {
   c.receive_calls = receive_calls_;
   c.coalesced = coalesced_;
   c.migrations = migrations_, c.path_challenges = path_challenges_, c.migrations_rejected = migrations_rejected_;
-  c.migration_dropped = migration_dropped_, c.rebinds = rebinds_;
+  c.migration_dropped = migration_dropped_, c.rebinds = rebinds_, c.last_move_ns = last_move_ns_;
   if (filter_) c.faults = filter_->counters();
   // The engine thread's own CPU clock (it runs nothing else).
   clockid_t clock;
@@ -589,12 +597,13 @@ void EngineHost::sleep_until_work(uint64_t limit_ns, int extra_fd) {
   const uint64_t now = monotonic_ns();
   const uint64_t until = std::min(limit_ns, wake);
   if (until <= now) return;
-  pollfd fds[3] = {{socket_.fd(), POLLIN, 0}, {kick_fd_, POLLIN, 0}, {extra_fd, POLLIN, 0}};
+  // The address notifications too: a sleeping host that moves is woken.
+  pollfd fds[4] = {{socket_.fd(), POLLIN, 0}, {kick_fd_, POLLIN, 0}, {netlink_fd_, POLLIN, 0}, {extra_fd, POLLIN, 0}};
   // ppoll, not poll: engine timers (a delayed ACK is due 10 us out) need
   // better than poll's whole milliseconds, or every such ACK waits 1 ms.
   const uint64_t sleep_ns = std::min<uint64_t>(until - now, 1'000'000'000);
   const timespec timeout{time_t(sleep_ns / 1'000'000'000), long(sleep_ns % 1'000'000'000)};
-  ::ppoll(fds, extra_fd >= 0 ? 3 : 2, &timeout, nullptr);
+  ::ppoll(fds, extra_fd >= 0 ? 4 : 3, &timeout, nullptr);  // a negative fd is ignored
   if (fds[1].revents & POLLIN) {
     uint64_t v;
     [[maybe_unused]] ssize_t r = ::read(kick_fd_, &v, sizeof v);

@@ -151,6 +151,8 @@ class EngineHost final : public Host {
   int netlink_fd_ = -1;           // RTMGRP_IPV4_IFADDR notifications (follow_address)
   uint64_t netlink_checked_ = 0;  // when it was last read
   uint64_t follow_checked_ = 0;   // when follow_address_locked last looked
+  uint64_t moved_at_ = 0;         // the last rebind, until the first acknowledgement after it
+  uint64_t last_move_ns_ = 0;     // HostCounters::last_move_ns
   bool address_suspect_ = false;  // a send failed as if our address were gone
 };
 

@@ -62,6 +62,9 @@ struct HostCounters {
   // new address dropped while it was being validated (beyond those held for
   // after it), and this host's own moves (rebinds).
   uint64_t migrations = 0, path_challenges = 0, migrations_rejected = 0, migration_dropped = 0, rebinds = 0;
+  // The latest rebind: ns from it to the first acknowledgement a peer sent
+  // to the new address (0: no rebind, or no acknowledgement yet).
+  uint64_t last_move_ns = 0;
   // Daemon placement only: ring entries the daemon refused (forged handles,
   // bad segments).
   uint64_t refused_entries = 0;

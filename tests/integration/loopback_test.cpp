@@ -671,12 +671,16 @@ void stream_while_moving(ProgressMode progress) {
   EXPECT_EQ(c.b->local_address(), "127.0.0.3");
   const ContextCounters ca = c.a->counters(), cb = c.b->counters();
   for (const ContextCounters* k : {&ca, &cb})
-    std::printf("moves %lu, validated %lu, challenges %lu, rejected %lu, dropped while validating %lu, retransmitted %lu, timeouts %lu\n",
-                (unsigned long)k->address_changes, (unsigned long)k->migrations, (unsigned long)k->path_challenges,
+    std::printf("moves %lu (to the first ack %.3f ms), validated %lu, challenges %lu, rejected %lu, dropped while validating %lu, "
+                "retransmitted %lu, timeouts %lu\n",
+                (unsigned long)k->address_changes, double(k->last_address_change_ns) / 1e6, (unsigned long)k->migrations,
+                (unsigned long)k->path_challenges,
                 (unsigned long)k->migrations_rejected, (unsigned long)k->migration_dropped,
                 (unsigned long)k->retransmitted_packets, (unsigned long)k->timeouts);
   EXPECT_EQ(ca.address_changes, 1u);
   EXPECT_EQ(cb.address_changes, 1u);
+  EXPECT_GT(ca.last_address_change_ns, 0u) << "an acknowledgement reached A's new address";
+  EXPECT_GT(cb.last_address_change_ns, 0u) << "an acknowledgement reached B's new address";
   EXPECT_EQ(cb.migrations, 1u) << "B validated A's move once";
   EXPECT_EQ(ca.migrations, 1u) << "A validated B's move once";
   EXPECT_GE(ca.path_challenges + cb.path_challenges, 2u);

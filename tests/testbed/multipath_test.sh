@@ -135,7 +135,9 @@ case $case_name in
     (($(field address_changes) == 1)) || fail "the client moved $(field address_changes) times, not once"
     server_migrations=$(grep -o "migrations [0-9]*" "$work/server.log" | awk '{print $2}')
     ((server_migrations == 1)) || fail "the server validated $server_migrations moves, not one"
-    echo "longest gap between chunk completions (the move's stall, at most): $(field longest_gap_ms) ms"
+    awk -v t="$(field move_to_ack_ms)" 'BEGIN { exit !(t > 0) }' || fail "no acknowledgement reached the client's new address"
+    echo "longest gap between chunk completions (the move's stall, at most): $(field longest_gap_ms) ms;" \
+      "client's rebind to the first acknowledgement at its new address: $(field move_to_ack_ms) ms"
     ;;
 
   *) echo "unknown case $case_name"; exit 2 ;;

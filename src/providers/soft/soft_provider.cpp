@@ -1061,6 +1061,7 @@ ContextCounters SoftContext::counters() const {
   c.paths_retired = sum.paths_retired;
   c.migrations = h.migrations, c.path_challenges = h.path_challenges, c.migrations_rejected = h.migrations_rejected;
   c.migration_dropped = h.migration_dropped, c.address_changes = h.rebinds;
+  c.last_address_change_ns = h.last_move_ns;
   return c;
 }
 
