@@ -27,6 +27,10 @@
 #                                         "off" removes; LIMIT = queue bytes, default 256kb)
 #   set-link-rate L S RATE [LIMIT]        tbf on both directions of the leaf L–spine S link
 #                                         (leaf's uplink and spine's downlink; "off" removes)
+#   set-mark spine S PCT                  spine S marks PCT% (0.1% steps) of the ECN-capable
+#                                         packets it forwards congestion-experienced (CE): a
+#                                         switch whose queue is past its ECN threshold (this
+#                                         kernel has no RED/CoDel qdisc to mark by queue depth)
 #   move-host L H N                       renumber host H on leaf L from its address to 10.L.H.N
 #                                         (the new one added, then the old one deleted: what a
 #                                         DHCP renumbering or a failed-over interface does)
@@ -205,6 +209,30 @@ table inet stb {
 EOF
 }
 
+# ECN marks, as set_drop's rules: chain "mark_all" in the spine's table.
+cmd_set_mark() {
+  require_up
+  [[ ${1:-} == spine && $# == 3 ]] || die "set-mark spine S PCT"
+  local ns permille rule
+  ns=$(spine "$2")
+  permille=$(permille_of "$3")
+  in_ns "$ns" nft -f - <<EOF
+table inet stb {}
+EOF
+  in_ns "$ns" nft delete chain inet stb mark_all 2>/dev/null || true
+  ((permille > 0)) || return 0
+  rule="numgen random mod 1000 < $permille"
+  ((permille < 1000)) || rule=""
+  in_ns "$ns" nft -f - <<EOF
+table inet stb {
+  chain mark_all {
+    type filter hook forward priority 0; policy accept;
+    ip ecn ect0 $rule ip ecn set ce counter
+  }
+}
+EOF
+}
+
 permille_of() {  # "1" -> 10, "0.1" -> 1; refuses finer than 0.1%
   python3 -c "import sys; v=float(sys.argv[1])*10; r=round(v); sys.exit(f'bad loss {sys.argv[1]} (0-100, 0.1 steps)') if abs(v-r)>1e-9 or not 0<=r<=1000 else print(r)" "$1"
 }
@@ -231,7 +259,7 @@ set_tbf() {
   if [[ $3 == off ]]; then
     tc -n "$1" qdisc del dev "$2" root 2> /dev/null || true
   else
-    tc -n "$1" qdisc replace dev "$2" root tbf rate "$3" burst 64kb limit "${4:-256kb}"
+    tc -n "$1" qdisc replace dev "$2" root handle 1: tbf rate "$3" burst 64kb limit "${4:-256kb}"
   fi
 }
 
@@ -299,6 +327,7 @@ case $command in
   set-loss) cmd_set_loss "$@" ;;
   set-rate) cmd_set_rate "$@" ;;
   set-link-rate) cmd_set_link_rate "$@" ;;
+  set-mark) cmd_set_mark "$@" ;;
   counters) cmd_counters ;;
   move-host) cmd_move_host "$@" ;;
   path) cmd_path "$@" ;;

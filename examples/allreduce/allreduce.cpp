@@ -44,6 +44,7 @@ struct Options {
   std::string chunk = "512K";
   unsigned qps = 1;
   std::string cc = "auto";
+  uint64_t line_rate_mbps = 0;  // 0: the context's default (ContextOptions::line_rate_bps)
   int timeout_ms = 30000;
   std::string wait;
   bool verbose = false;
@@ -296,6 +297,9 @@ int main(int argc, char** argv) {
   app.add_option("--provider", o.provider, "soft or verbs");
   app.add_option("--algorithm", o.algorithm, "auto, ring or rd (recursive doubling)");
   app.add_option("--cc", o.cc, "congestion control of the soft provider: auto, none, dcqcn or swift");
+  app.add_option("--line_rate_mbps", o.line_rate_mbps,
+                 "the rate congestion control starts from and never exceeds (Mbit/s; default: the context's, 100 Gbit/s): a NIC's line rate")
+      ->check(CLI::PositiveNumber);
   app.add_option("--chunk", o.chunk, "pipelining chunk / landing slot size");
   app.add_option("--qps", o.qps, "RC QPs per peer; messages of 32 KiB and more are striped over them (as NCCL_IB_QPS_PER_CONNECTION)")
       ->check(CLI::Range(1u, 16u));
@@ -325,6 +329,7 @@ int main(int argc, char** argv) {
   else if (o.cc == "dcqcn") base.context.congestion_control = CongestionControl::dcqcn;
   else if (o.cc == "swift") base.context.congestion_control = CongestionControl::swift;
   else if (o.cc != "auto") die("--cc", Status(Errc::invalid_argument, "auto, none, dcqcn or swift"));
+  if (o.line_rate_mbps) base.context.line_rate_bps = o.line_rate_mbps * 1'000'000;
   if (o.algorithm == "ring") base.allreduce_algorithm = AllreduceAlgorithm::ring;
   else if (o.algorithm == "rd") base.allreduce_algorithm = AllreduceAlgorithm::recursive_doubling;
   else if (o.algorithm != "auto") die("--algorithm", Status(Errc::invalid_argument, "auto, ring or rd"));

@@ -302,6 +302,9 @@ struct ContextCounters {
   // stellar: resends that proved unneeded (the original arrived late), and
   // paths taken out of use after losses in a row or a timeout (failover).
   uint64_t spurious_retransmits = 0, paths_retired = 0;
+  // stellar: datagrams that arrived marked ECN CE (a queue on their path;
+  // echoed to the sender, whose path choice avoids it).
+  uint64_t rx_congestion_marks = 0;
   // stellar, address change (docs/multipath.md): peers' moves to a new
   // address accepted after it echoed our random challenge; challenges sent;
   // validations refused (a response that answers no challenge of ours, from

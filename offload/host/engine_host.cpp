@@ -28,7 +28,7 @@ uint64_t monotonic_ns() {
 void accumulate(off::EngineCounters& sum, const off::EngineCounters& e) {
   // Every field: the host's sum is what ContextCounters and a future
   // daemon's statistics are built from.
-  static_assert(sizeof(off::EngineCounters) == 26 * sizeof(uint64_t), "a counter was added: sum it here");
+  static_assert(sizeof(off::EngineCounters) == 27 * sizeof(uint64_t), "a counter was added: sum it here");
   sum.tx_packets += e.tx_packets, sum.tx_bytes += e.tx_bytes, sum.rx_packets += e.rx_packets, sum.rx_bytes += e.rx_bytes;
   sum.retransmitted_packets += e.retransmitted_packets, sum.timeouts += e.timeouts, sum.fast_retransmits += e.fast_retransmits;
   sum.tail_probes += e.tail_probes, sum.spurious_timeouts += e.spurious_timeouts, sum.spurious_retransmits += e.spurious_retransmits;
@@ -38,7 +38,7 @@ void accumulate(off::EngineCounters& sum, const off::EngineCounters& e) {
   sum.access_errors += e.access_errors, sum.invalid_requests += e.invalid_requests, sum.decode_errors += e.decode_errors;
   sum.bad_token += e.bad_token, sum.unexpected_packets += e.unexpected_packets;
   sum.requests_dropped_full += e.requests_dropped_full, sum.completions += e.completions;
-  sum.paths_retired += e.paths_retired;
+  sum.paths_retired += e.paths_retired, sum.congestion_marks += e.congestion_marks;
 }
 
 struct EngineHost::Engine final : Host::Engine {
@@ -125,6 +125,7 @@ std::optional<SocketError> EngineHost::open(const HostOptions& options) {
       return e;
     }
     s->enable_gso(true);
+    s->enable_ecn();
     s->send_only();
     paths_.push_back(std::move(s));
   }
@@ -137,6 +138,9 @@ std::optional<SocketError> EngineHost::open(const HostOptions& options) {
   // With GRO one receive may carry up to 64 KiB of coalesced datagrams.
   const uint32_t rx_capacity = socket_.gro() ? 65536 : capacity;
   socket_.enable_gso(options_.mode == off::Mode::stellar);
+  // ECN marks are a path signal in stellar mode (docs/multipath.md); roce
+  // mode stays as it was (a RoCE NIC's ECN belongs to DCQCN's CNPs).
+  if (options_.mode == off::Mode::stellar) socket_.enable_ecn();
   rx_memory_.resize(size_t(rx_batch) * rx_capacity);
   tx_memory_.resize(size_t(tx_batch) * capacity);
   for (int i = 0; i < rx_batch; ++i) rx_[i] = Datagram{rx_memory_.data() + size_t(i) * rx_capacity, rx_capacity, 0, {}, 0};
@@ -338,7 +342,7 @@ bool EngineHost::progress_round_locked(uint64_t now, bool& more) {
           last_move_ns_ = at > moved_at_ ? at - moved_at_ : 0;
           moved_at_ = 0;
         }
-        e.engine.receive(data, length, e.rx_addresses, now, arrival);
+        e.engine.receive(data, length, e.rx_addresses, now, arrival, rx_[i].congestion_mark);
       }
     }
     if (n < rx_batch) break;

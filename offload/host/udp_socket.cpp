@@ -14,7 +14,8 @@ namespace stellar::host {
 namespace {
 constexpr int max_batch = UdpSocket::max_batch;
 constexpr int socket_buffer_bytes = 16 << 20;
-constexpr size_t control_bytes = CMSG_SPACE(sizeof(uint16_t)) + CMSG_SPACE(sizeof(int)) + CMSG_SPACE(sizeof(timespec));
+constexpr size_t control_bytes =
+    CMSG_SPACE(sizeof(uint16_t)) + CMSG_SPACE(sizeof(int)) + CMSG_SPACE(sizeof(timespec)) + CMSG_SPACE(sizeof(int));  // + IP_TOS
 constexpr uint32_t gso_max_bytes = 65000;  // UDP payload of one GSO message
 constexpr int gso_max_segments = 64;
 constexpr size_t max_parts = 20;          // iovecs of one datagram (header, payload pieces, trailer)
@@ -62,6 +63,7 @@ std::optional<SocketError> UdpSocket::rebind(const std::string& address, uint16_
   quiet_receives_ = 0;
   address_error_ = false;
   if (send_only_) send_only();
+  if (ecn_) enable_ecn();
   return std::nullopt;
 }
 
@@ -73,8 +75,16 @@ void UdpSocket::close() {
   prepared_ = nullptr;
   prepared_count_ = 0;
   sparse_ = false;
-  send_only_ = address_error_ = false;
+  send_only_ = address_error_ = ecn_ = false;
   quiet_receives_ = 0;
+}
+
+void UdpSocket::enable_ecn() {
+  ecn_ = true;
+  const int ect0 = 0x02;  // TOS byte: DSCP 0, ECN field ECT(0)
+  const int on = 1;
+  ::setsockopt(fd_, IPPROTO_IP, IP_TOS, &ect0, sizeof ect0);
+  ::setsockopt(fd_, IPPROTO_IP, IP_RECVTOS, &on, sizeof on);
 }
 
 void UdpSocket::send_only() {
@@ -171,6 +181,7 @@ int UdpSocket::receive_batch(Datagram* batch, int count) {
     batch[i].length = (h.msg_flags & MSG_TRUNC) ? 0 : rx_messages_[size_t(i)].msg_len;
     batch[i].segment_size = 0;
     batch[i].arrival_realtime_ns = 0;
+    batch[i].congestion_mark = false;
     for (cmsghdr* c = h.msg_controllen ? CMSG_FIRSTHDR(&h) : nullptr; c; c = CMSG_NXTHDR(&h, c)) {
       if (c->cmsg_level == IPPROTO_UDP && c->cmsg_type == UDP_GRO) {
         int size = 0;
@@ -180,6 +191,8 @@ int UdpSocket::receive_batch(Datagram* batch, int count) {
         timespec t;
         std::memcpy(&t, CMSG_DATA(c), sizeof t);
         batch[i].arrival_realtime_ns = uint64_t(t.tv_sec) * 1'000'000'000u + uint64_t(t.tv_nsec);
+      } else if (c->cmsg_level == IPPROTO_IP && c->cmsg_type == IP_TOS) {
+        batch[i].congestion_mark = (*CMSG_DATA(c) & 0x03) == 0x03;  // CE
       }
     }
     datagrams += batch[i].segment_size ? (batch[i].length + batch[i].segment_size - 1) / batch[i].segment_size : 1;

@@ -25,6 +25,9 @@ struct Datagram {
   // Receiving: when the kernel took the datagram in (CLOCK_REALTIME ns,
   // SO_TIMESTAMPNS); 0 when the kernel gave no timestamp.
   uint64_t arrival_realtime_ns = 0;
+  // Receiving, with enable_ecn(): the IP header said congestion experienced
+  // (ECN CE): a queue on the way marked it.
+  bool congestion_mark = false;
   // Sending only: when part_count > 0 the datagram is these pieces in order
   // (zero-copy gather of headers, payload in place, trailer); length is their total.
   const struct iovec* parts = nullptr;
@@ -83,6 +86,10 @@ class UdpSocket {
     gso_ = on && gso_supported_;
   }
   bool gso() const { return gso_; }
+  // ECN: every datagram sent carries ECT(0) (DSCP 0), so that queues which
+  // mark instead of dropping mark it; received ones report CE
+  // (Datagram::congestion_mark). Kept across rebind().
+  void enable_ecn();
   bool gro() const { return gro_supported_; }  // available (it is switched on under bulk traffic)
   int fd() const { return fd_; }
   const sockaddr_in& local() const { return local_; }
@@ -108,7 +115,8 @@ class UdpSocket {
   int prepared_count_ = 0;
   bool sparse_ = false;  // the last receive found at most one datagram
   bool send_only_ = false, address_error_ = false;
-  bool gso_wanted_ = false;  // enable_gso's wish: a rebind starts from it, not from a fallback
+  bool gso_wanted_ = false;
+  bool ecn_ = false;  // enable_gso's wish: a rebind starts from it, not from a fallback
   bool gro_supported_ = false;
   uint32_t quiet_receives_ = 0;  // lone datagrams in a row while GRO is on
   void set_gro(bool on);

@@ -86,7 +86,8 @@ PostResult QpEngine::post_send(const SendWork& work, uint64_t now_ns) {
 
 PostResult QpEngine::post_receive(const ReceiveWork& work) { return s_->responder.post_receive(work); }
 
-void QpEngine::receive(const uint8_t* data, size_t length, const IcrcAddresses& addresses, uint64_t now_ns, uint64_t arrival_ns) {
+void QpEngine::receive(const uint8_t* data, size_t length, const IcrcAddresses& addresses, uint64_t now_ns, uint64_t arrival_ns,
+                       bool congestion_mark) {
   Header h;
   const DecodeError e = decode(s_->ctx.config.mode, data, length, addresses, h);
   if (e != DecodeError::none) {
@@ -95,10 +96,10 @@ void QpEngine::receive(const uint8_t* data, size_t length, const IcrcAddresses& 
   }
   if (!s_->token_accepted(h)) return;
   s_->ctx.counters.rx_bytes += length;
-  receive_decoded(h, now_ns, arrival_ns);
+  receive_decoded(h, now_ns, arrival_ns, congestion_mark);
 }
 
-void QpEngine::receive_decoded(const Header& h, uint64_t now_ns, uint64_t arrival_ns) {
+void QpEngine::receive_decoded(const Header& h, uint64_t now_ns, uint64_t arrival_ns, bool congestion_mark) {
   State& s = *s_;
   // Before anything else: a packet without this connection's token (stellar)
   // changes no state: not the PSN window, not acknowledgements, not memory.
@@ -116,6 +117,11 @@ void QpEngine::receive_decoded(const Header& h, uint64_t now_ns, uint64_t arriva
   if (stellar) {
     s.replies.on_packet(h);  // the host maps any path value onto its ports
     if (opcode_is_request(h.opcode)) s.replies.on_request(h.path);
+    if (congestion_mark) {
+      ++s.ctx.counters.congestion_marks;
+      s.replies.on_congestion_mark(h.path);
+    }
+    if (h.ce_count) s.paths.on_congestion_mark(h.echo_path, h.ce_count);
   }
   if (opcode_is_request(h.opcode)) s.responder.note_request_arrival(arrival);
   // Host delay on both ends: this packet waited (now - arrival) for us to

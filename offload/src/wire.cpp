@@ -422,7 +422,7 @@ size_t write_headers(Mode mode, const Header& h, uint8_t* out, uint32_t pad) {
   put16(p + 40, h.path);
   put16(p + 42, h.has_ack ? h.sack_offset : 0);
   put16(p + 44, h.echo_path);
-  put16(p + 46, 0);  // reserved
+  put16(p + 46, h.ce_count);
   p += stellar_base;
   if (opcode_is_write(h.opcode) || h.opcode == opcode::read_request) {
     put64(p, h.remote_addr);
@@ -566,7 +566,8 @@ DecodeError decode(Mode mode, const uint8_t* data, size_t length, const IcrcAddr
   h.token = get64(data + 32);
   h.path = get16(data + 40);
   h.sack_offset = get16(data + 42);
-  h.echo_path = get16(data + 44);  // 46..47 reserved: ignored
+  h.echo_path = get16(data + 44);
+  h.ce_count = get16(data + 46);
   const uint8_t* p = data + stellar_base;
   if (opcode_is_write(h.opcode) || h.opcode == opcode::read_request) {
     h.remote_addr = get64(p);

@@ -40,6 +40,7 @@ void Channel::send(const uint8_t* data, size_t length, uint64_t now, uint16_t pa
   if (chance(faults_.reorder)) d.due += faults_.delay_ns * 3 + 5'000;  // overtaken by later ones
   if (faults_.slow_every && ++sent_ % faults_.slow_every == 0) d.due += faults_.slow_extra_ns;
   if (pf) d.due += pf->extra_ns;
+  if (pf && chance(pf->mark)) d.mark = true;
   if (chance(faults_.duplicate)) queue_.push_back(Datagram{d.bytes, d.due + 1'000});
   queue_.push_back(std::move(d));
 }
@@ -86,10 +87,10 @@ void Pair::pump(QpEngine& e, Channel& out) {
 void Pair::step() {
   pump(*a, a_to_b);
   if (b_alive) pump(*b, b_to_a);
-  a_to_b.deliver_due(now, [&](const uint8_t* d, size_t n) {
-    if (b_alive) b->receive(d, n, IcrcAddresses{}, now);
+  a_to_b.deliver_due(now, [&](const uint8_t* d, size_t n, bool mark) {
+    if (b_alive) b->receive(d, n, IcrcAddresses{}, now, 0, mark);
   });
-  b_to_a.deliver_due(now, [&](const uint8_t* d, size_t n) { a->receive(d, n, IcrcAddresses{}, now); });
+  b_to_a.deliver_due(now, [&](const uint8_t* d, size_t n, bool mark) { a->receive(d, n, IcrcAddresses{}, now, 0, mark); });
   // Jump to the next event when nothing is in the channel.
   uint64_t next = std::min(a->next_wakeup_ns(now), b_alive ? b->next_wakeup_ns(now) : UINT64_MAX);
   if (!a_to_b.empty() || !b_to_a.empty()) next = std::min(next, now + 500);

@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 #include "stellar/offload/engine.hpp"
@@ -68,6 +69,7 @@ struct PathFault {
   bool dead = false;       // every datagram on it is lost
   double drop = 0;         // or this share of them
   uint64_t extra_ns = 0;   // added one-way delay
+  double mark = 0;         // this share arrives marked ECN CE (a queue that marks)
 };
 
 // One direction of the simulated link.
@@ -85,14 +87,16 @@ class Channel {
   std::vector<PathFault> paths;
   // Datagrams sent per path index (what the channel saw).
   std::map<uint16_t, uint64_t> sent_per_path;
-  // Hands every datagram due at `now` to f(data, length), in queue order.
+  // Hands every datagram due at `now` to f(data, length) or, if f takes it,
+  // f(data, length, congestion_mark), in queue order.
   template <typename F>
   void deliver_due(uint64_t now, F&& f) {
     for (size_t i = 0; i < queue_.size();) {
       if (queue_[i].due <= now) {
         Datagram d = std::move(queue_[i]);
         queue_.erase(queue_.begin() + long(i));
-        f(d.bytes.data(), d.bytes.size());
+        if constexpr (std::is_invocable_v<F, const uint8_t*, size_t, bool>) f(d.bytes.data(), d.bytes.size(), d.mark);
+        else f(d.bytes.data(), d.bytes.size());
       } else {
         ++i;
       }
@@ -105,6 +109,7 @@ class Channel {
   struct Datagram {
     std::vector<uint8_t> bytes;
     uint64_t due;
+    bool mark = false;  // ECN CE
   };
   bool chance(double p);
   uint64_t jitter();

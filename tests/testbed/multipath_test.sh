@@ -12,6 +12,10 @@
 #   lossy      a spine drops 1% from the start
 #   degraded   a spine's links limited to 10% of the others' rate (tbf)
 #   roce       the baseline: roce mode (one path) finishes over the same fabric
+#   ecn        a spine marks every ECN-capable packet congestion-experienced: the
+#              marks reach the receiver, are echoed, and the default policy sends
+#              under a fifth of the packets through that spine (a fair share is a
+#              quarter), losing none for it
 #   move       the client's host is renumbered mid-transfer (testbed.sh
 #              move-host): the client follows its address, the server
 #              validates the new one, and the stream finishes byte-exact
@@ -124,6 +128,21 @@ case $case_name in
     start_stream 200 262144 --mode roce
     wait_stream 200
     grep -q "paths 1 " "$work/client.log" || fail "roce mode used more than one path"
+    ;;
+
+  ecn)
+    "$testbed" set-mark spine 4 100
+    read -r -a before <<< "$(spine_counts)"
+    start_stream 2000 65536 --paths 16
+    wait_stream 2000
+    read -r -a after <<< "$(spine_counts)"
+    marks=$(grep -o "congestion_marks [0-9]*" "$work/server.log" | awk '{print $2}')
+    ((marks > 0)) || fail "no congestion mark reached the server"
+    total=0
+    for i in 0 1 2 3; do total=$((total + after[i] - before[i])); done
+    marked=$((after[3] - before[3]))
+    echo "spine 4 (marking) carried $marked of $total packets; the server saw $marks marks"
+    ((marked * 5 < total)) || fail "the marking spine carried $marked of $total packets (a fifth or more)"
     ;;
 
   move)

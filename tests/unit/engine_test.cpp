@@ -1271,7 +1271,7 @@ Sprayed spray(uint16_t paths, PathPolicy policy, std::vector<PathFault> faults, 
   base.window_packets = 1024;
   Pair p(Mode::stellar, f, 41, base);
   p.a_to_b.paths = p.b_to_a.paths = faults;
-  for (PathFault& back : p.b_to_a.paths) back.extra_ns = 0;
+  for (PathFault& back : p.b_to_a.paths) back.extra_ns = 0, back.mark = 0;  // one way: requests
   Sprayed r;
   auto write = [&](uint64_t id, uint32_t n, bool failing) {
     std::vector<uint8_t> target(size_t(n) * 4096), source = pattern(target.size(), uint32_t(id));
@@ -1376,5 +1376,27 @@ TEST(EngineMultipath, AdaptivePoliciesAvoidASlowOrLossyPath) {
       EXPECT_LT(r.share(3), 0.125) << to_string(policy) << (lossy ? " lossy" : " slow") << ": " << r.share(3)
                                    << " of the packets on the bad path, oblivious " << oblivious.share(3);
     }
+  }
+}
+
+// ECN as a path signal: every packet on one path of four arrives marked
+// congestion-experienced (a queue there marks instead of dropping). The
+// receiver echoes the marks with the path (Header::ce_count); the adaptive
+// policies then send that path under half its fair share, and nothing is
+// lost, resent or retired for it (marks mean a queue, not a failure).
+TEST(EngineMultipath, AdaptivePoliciesAvoidAPathThatMarksCongestion) {
+  std::vector<PathFault> faults(4);
+  faults[3].mark = 1.0;
+  const Sprayed oblivious = spray(4, PathPolicy::oblivious, faults, 8192);
+  EXPECT_TRUE(oblivious.exact);
+  EXPECT_GT(oblivious.paths[3].marked_packets, 0u) << "the receiver echoed the marks";
+  EXPECT_EQ(oblivious.paths[0].marked_packets, 0u) << "on the marked path only";
+  for (PathPolicy policy : {PathPolicy::reps, PathPolicy::two_choices, PathPolicy::bandit}) {
+    const Sprayed r = spray(4, policy, faults, 8192);
+    EXPECT_TRUE(r.exact) << to_string(policy);
+    EXPECT_LT(r.share(3), 0.125) << to_string(policy) << ": " << r.share(3) << " of the packets on the marked path, oblivious "
+                                 << oblivious.share(3);
+    EXPECT_EQ(r.counters.retransmitted_packets, 0u) << to_string(policy);
+    EXPECT_EQ(r.counters.paths_retired, 0u) << to_string(policy);
   }
 }

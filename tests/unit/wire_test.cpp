@@ -261,7 +261,7 @@ TEST(StellarWire, TokenSitsAtOffset32AndRoundTrips) {
     EXPECT_EQ(buf[1], 3) << "version 3";
     EXPECT_EQ(buf[6] << 8 | buf[7], 52) << "header length";
     EXPECT_EQ(buf[40] << 8 | buf[41], h.path) << "path, big-endian";
-    EXPECT_EQ(buf[46] | buf[47], 0) << "reserved";
+    EXPECT_EQ(buf[46] | buf[47], 0) << "no congestion marks echoed";
     uint64_t on_wire = 0;
     for (int i = 0; i < 8; ++i) on_wire = on_wire << 8 | buf[32 + size_t(i)];
     EXPECT_EQ(on_wire, token);
@@ -314,5 +314,23 @@ TEST(StellarWire, VersionOnePacketsAreRefused) {
     for (int i = 0; i < 4; ++i) buf[n - 4 + size_t(i)] = uint8_t(c >> (24 - 8 * i));
     EXPECT_EQ(decode(Mode::stellar, buf.data(), n, {}, d), DecodeError::bad_version) << int(version);
   }
+}
+// The echo of ECN CE marks (docs/wire-format.md, offset 46): a count, with
+// the marked packet's path in the echoed-path field.
+TEST(StellarWire, CongestionMarkCountSitsAtOffset46) {
+  Header h;
+  h.opcode = opcode::acknowledge;
+  h.syndrome = syndrome::ack;
+  h.echo_path = 7;
+  h.ce_count = 0x1234;
+  std::vector<uint8_t> buf(128, 0);
+  const size_t n = encode(Mode::stellar, h, buf.data(), buf.size(), {});
+  ASSERT_GT(n, 0u);
+  EXPECT_EQ(buf[46] << 8 | buf[47], 0x1234);
+  EXPECT_EQ(buf[44] << 8 | buf[45], 7);
+  Header d;
+  ASSERT_EQ(decode(Mode::stellar, buf.data(), n, {}, d), DecodeError::none);
+  EXPECT_EQ(d.ce_count, 0x1234);
+  EXPECT_EQ(d.echo_path, 7);
 }
 }  // namespace

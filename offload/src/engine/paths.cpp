@@ -108,7 +108,8 @@ uint16_t PathSet::pick_reps(uint64_t now, int avoid) {
 // recovery: counted 16 times its share).
 uint64_t PathSet::cost(const Path& p) const {
   const double base = double(p.srtt ? p.srtt : (min_rtt_ != never ? min_rtt_ : 1000));
-  return uint64_t(base * double(p.inflight + 1) * (1.0 + 16.0 * double(p.loss) / one));
+  // An ECN mark costs a quarter of a loss: a queue, not a resend.
+  return uint64_t(base * double(p.inflight + 1) * (1.0 + 16.0 * double(p.loss) / one + 4.0 * double(p.marks) / one));
 }
 
 uint16_t PathSet::pick_two_choices(uint64_t now, int avoid) {
@@ -168,6 +169,7 @@ void PathSet::on_acknowledged(uint16_t path, uint64_t now, uint64_t rtt) {
   ++p.acknowledged;
   p.consecutive_losses = 0;
   p.loss -= p.loss >> ewma_shift;
+  p.marks -= p.marks >> ewma_shift;
   // Anything acknowledged proves the path works (both directions: the ACK
   // came back on the same path index): it is back in use.
   p.retired_until = 0;
@@ -205,6 +207,18 @@ void PathSet::on_acknowledged(uint16_t path, uint64_t now, uint64_t rtt) {
       }
     }
   }
+}
+
+void PathSet::on_congestion_mark(uint16_t path, uint16_t count) {
+  if (path >= paths_.size()) return;  // a peer's echo is input: checked
+  Path& p = paths_[path];
+  p.marked += count;
+  // One EWMA step per marked packet, as on_acknowledged decays per packet.
+  for (uint16_t i = 0; i < std::min<uint16_t>(count, 64); ++i) {
+    p.marks += (one - p.marks) >> ewma_shift;
+    p.reward -= p.reward >> 5;  // bandit: a mark costs less than a loss (>> 3)
+  }
+  p.clean_run = 0;  // REPS: not clean
 }
 
 void PathSet::on_lost(uint16_t path, uint64_t now, bool timeout) {
@@ -290,6 +304,8 @@ void PathSet::info(uint16_t path, PathInfo& out) const {
   out.min_rtt_ns = p.min_rtt == never ? 0 : p.min_rtt;
   out.inflight_packets = p.inflight;
   out.loss_rate = double(p.loss) / one;
+  out.mark_rate = double(p.marks) / one;
+  out.marked_packets = p.marked;
   out.retired = p.retired_until != 0;
   out.sent_packets = p.sent;
   out.acknowledged_packets = p.acknowledged;

@@ -55,6 +55,10 @@ class PathSet {
   // A packet sent on `path` was declared lost (`timeout`: by the
   // retransmission timer, which retires the path at once).
   void on_lost(uint16_t path, uint64_t now, bool timeout);
+  // The peer received `count` of our packets marked ECN CE, on `path`:
+  // queues build there. The path is chosen less (cost, REPS, bandit) but
+  // never retired for it: marks mean congestion, not failure.
+  void on_congestion_mark(uint16_t path, uint16_t count);
   // How much longer than a packet on path `evidence` a packet on `path` may
   // take (loss detection allows it beyond the evidence's RTT): the
   // difference of their minimum RTTs plus four times `path`'s RTT
@@ -71,7 +75,7 @@ class PathSet {
   void forget_routes() {
     for (Path& p : paths_) {
       p.retired_until = p.failed_at = 0;
-      p.loss = p.reward = p.pulls = p.clean_run = 0;
+      p.loss = p.marks = p.reward = p.pulls = p.clean_run = 0;
       p.consecutive_losses = p.backoff = 0;
       p.probing = false;
       p.probe_until = 0;
@@ -85,6 +89,7 @@ class PathSet {
     uint64_t failed_at = 0;      // when it was last retired
     uint32_t inflight = 0;
     uint32_t loss = 0;           // loss rate, EWMA in 1/65536 per packet
+    uint32_t marks = 0;          // ECN CE rate, EWMA in 1/65536 per packet
     uint32_t reward = 0;         // bandit: EWMA of the reward in 1/65536
     uint32_t pulls = 0;          // bandit: packets sent on it (saturating)
     uint8_t consecutive_losses = 0;
@@ -93,7 +98,7 @@ class PathSet {
     bool probing = false;        // its probe is out: nothing more until it is answered, or probe_until
     uint64_t probe_until = 0;    // a probe whose fate stays unknown (its packet was acknowledged
                                  // through another copy) counts as failed then
-    uint64_t sent = 0, acknowledged = 0, lost = 0, retirements = 0;
+    uint64_t sent = 0, acknowledged = 0, lost = 0, retirements = 0, marked = 0;
   };
 
   bool usable(const Path& p, uint64_t now) const {
@@ -152,10 +157,21 @@ class ReplyPaths {
   void on_duplicate() {
     if (!single_ && last_ != confirmed_) uses_[last_ % max_paths] = suspect_uses;
   }
+  // A packet arrived on `path` marked congestion-experienced (ECN CE).
+  void on_congestion_mark(uint16_t path) {
+    marked_path_ = path;
+    if (marks_ < UINT16_MAX) ++marks_;
+  }
   // The path of the next response or ACK.
   uint16_t choose();
-  // What our packets echo: the path of the latest packet received.
-  uint16_t echo() const { return latest_received_; }
+  // What our next packet echoes: the path of the latest packet received, or
+  // while CE marks wait to be reported, the latest marked packet's path,
+  // with their count (Header::ce_count); the count is reported once.
+  uint16_t echo(uint16_t& ce_count) {
+    ce_count = marks_;
+    marks_ = 0;
+    return ce_count ? marked_path_ : latest_received_;
+  }
 
  private:
   static constexpr uint16_t suspect_uses = 16;  // replies on one path with no echo of it
@@ -163,6 +179,7 @@ class ReplyPaths {
   bool single_;
   uint16_t latest_request_ = 0, latest_received_ = 0, confirmed_ = 0, last_ = 0;
   uint16_t skipped_ = 0;
+  uint16_t marked_path_ = 0, marks_ = 0;  // CE marks not yet echoed
   uint16_t uses_[max_paths] = {};
 };
 

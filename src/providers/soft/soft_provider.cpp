@@ -1059,6 +1059,7 @@ ContextCounters SoftContext::counters() const {
   c.daemon_refused_entries = h.refused_entries;
   c.spurious_retransmits = sum.spurious_retransmits;
   c.paths_retired = sum.paths_retired;
+  c.rx_congestion_marks = sum.congestion_marks;
   c.migrations = h.migrations, c.path_challenges = h.path_challenges, c.migrations_rejected = h.migrations_rejected;
   c.migration_dropped = h.migration_dropped, c.address_changes = h.rebinds;
   c.last_address_change_ns = h.last_move_ns;

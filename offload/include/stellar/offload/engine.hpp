@@ -163,8 +163,10 @@ struct PathInfo {
   uint64_t srtt_ns = 0, min_rtt_ns = 0;  // 0: no sample yet
   uint32_t inflight_packets = 0;
   double loss_rate = 0;                  // smoothed, per packet
+  double mark_rate = 0;                  // ECN CE marks the peer echoed, smoothed, per packet
   bool retired = false;                  // no packet goes there until its probe time
   uint64_t sent_packets = 0, acknowledged_packets = 0, lost_packets = 0, retirements = 0;
+  uint64_t marked_packets = 0;           // echoed as ECN CE by the peer
 };
 
 struct EngineConfig {
@@ -263,6 +265,8 @@ struct EngineCounters {
   // stellar: paths retired after losses in a row or a timeout (failover);
   // each is probed again later.
   uint64_t paths_retired = 0;
+  // stellar: packets that arrived marked ECN CE (echoed to the peer).
+  uint64_t congestion_marks = 0;
 };
 
 // Copies a (possibly scattered) datagram into one contiguous buffer; returns
@@ -309,9 +313,12 @@ class QpEngine {
   // `arrival_ns` (same clock as now_ns, <= now_ns; 0 = now_ns): when the
   // datagram reached the host (the socket's kernel timestamp), so that time it
   // waited for this host to poll counts as host delay, not network delay.
-  void receive(const uint8_t* data, size_t length, const IcrcAddresses& addresses, uint64_t now_ns, uint64_t arrival_ns = 0);
+  // `congestion_mark`: the datagram arrived with ECN CE in its IP header
+  // (stellar: echoed to the peer as a path signal, Header::ce_count).
+  void receive(const uint8_t* data, size_t length, const IcrcAddresses& addresses, uint64_t now_ns, uint64_t arrival_ns = 0,
+               bool congestion_mark = false);
   // The same for an already decoded packet (tests, fuzzing).
-  void receive_decoded(const Header&, uint64_t now_ns, uint64_t arrival_ns = 0);
+  void receive_decoded(const Header&, uint64_t now_ns, uint64_t arrival_ns = 0, bool congestion_mark = false);
 
   // Fills up to `count` buffers with datagrams due now (responses, retransmits,
   // new data, ACKs, in that order) and returns how many. It may return fewer

@@ -137,6 +137,11 @@ struct Header {
   // from us: proof that our path works (the reply path of our ACKs avoids
   // paths that stay unconfirmed). 0 in roce mode.
   uint16_t echo_path = 0;
+  // stellar mode: how many of our packets the sender received marked
+  // congestion-experienced (ECN CE) since it last sent to us, the latest of
+  // them on echo_path (which then names that packet's path); saturating.
+  // A path signal: choice avoids marked paths (docs/multipath.md). 0 in roce mode.
+  uint16_t ce_count = 0;
   // stellar mode, path_challenge / path_response: the 8 random bytes a
   // challenge carries and its response echoes.
   uint64_t challenge = 0;
