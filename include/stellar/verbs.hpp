@@ -351,7 +351,10 @@ class Context : public std::enable_shared_from_this<Context> {
   // connected QP carries on; each peer accepts the new address once it has
   // echoed a random challenge from there, and nothing is lost or delivered
   // twice. For an address that stays configured (a second interface);
-  // ContextOptions::follow_address handles one that disappears. Errors:
+  // ContextOptions::follow_address handles one that disappears. progress_fd
+  // keeps its number, but an epoll set that holds it must add it again
+  // (the kernel drops the old socket's registration). Moving to the
+  // current address does nothing. Errors:
   // invalid_argument (not IPv4), io_error (cannot bind there), unsupported
   // (roce mode, the verbs provider, the engine daemon: it follows its
   // address itself). Thread-safe.

@@ -54,6 +54,7 @@ struct EngineHost::Engine final : Host::Engine {
   struct Held {
     std::vector<uint8_t> bytes;
     uint64_t arrival = 0;
+    bool congestion_mark = false;
   };
   struct Validation {
     bool active = false;
@@ -62,15 +63,30 @@ struct EngineHost::Engine final : Host::Engine {
     uint64_t sent_ns = 0;
     uint32_t sends = 0;
     uint16_t receive_port = 0;  // network order; 0: not seen yet
-    uint16_t sent_to_port = 0;  // where the last challenge went
+    sockaddr_in to{};           // where the challenges go
+    size_t held_bytes = 0;
     std::vector<Held> held;
   } validation;
+  // This host moved: until a packet from the peer reaches the new address
+  // (the peer has validated it), an acknowledgement goes out every
+  // announce interval, so that one lost announcement, challenge or
+  // response does not leave the peer sending to the old address.
+  uint64_t validated_challenge = 0;  // the last challenge answered (its repeats' answers are no forgery)
+  bool announcing = false;
+  uint64_t next_announce = 0;
+  uint32_t announcements = 0;
 };
 
 namespace {
 // Datagrams held per engine while a new peer address is validated: about
 // one round trip of a fast sender's packets; the rest the sender resends.
 constexpr size_t max_held_datagrams = 128;
+constexpr size_t max_held_bytes = 1 << 20;  // and bytes (a GRO receive may be 64 KiB)
+// Challenges sent for one candidate before it is given up (its held
+// datagrams freed); announcements a moved host sends before it stops.
+constexpr uint32_t max_challenges = 8;
+constexpr uint32_t max_announcements = 64;
+constexpr uint64_t announce_interval_ns = 1'000'000;
 // A challenge goes out again, at most this often, while packets keep coming
 // from the unvalidated address (the first may have been lost).
 constexpr uint64_t min_challenge_interval_ns = 200'000;
@@ -328,13 +344,14 @@ bool EngineHost::progress_round_locked(uint64_t now, bool& more) {
             continue;
           }
           if (!same_address(e.peer, from)) {
-            on_unvalidated(e, from, data, length, now, arrival);
+            on_unvalidated(e, from, data, length, now, arrival, rx_[i].congestion_mark);
             continue;
           }
         } else if (!same_address(e.peer, from) || e.peer.sin_port != from.sin_port) {
           ++unknown_qp_;  // roce: not from its peer's address and port
           continue;
         }
+        e.announcing = false;  // the peer reaches us here: it knows where we are
         if (moved_at_ && options_.mode == off::Mode::stellar && (data[3] & 4) != 0) {
           // The first acknowledgement since this host moved: how long the
           // move cost (the peer validated the new address and answered).
@@ -356,9 +373,13 @@ bool EngineHost::progress_round_locked(uint64_t now, bool& more) {
   }
   // A datagram held back for reordering goes out now if nothing overtook it.
   send_errors_ += filter_->release_held();
-  if (netlink_fd_ >= 0) {
-    if (address_changes()) address_suspect_ = true;
+  if (options_.mode == off::Mode::stellar) {
+    if (netlink_fd_ >= 0 && address_changes()) address_suspect_ = true;
     if (address_suspect_) follow_address_locked(now);
+    if (timers_due_ <= now) {
+      address_timers_locked(now);
+      timers_due_ = now + min_challenge_interval_ns / 2;
+    }
   }
   return work;
 }
@@ -401,6 +422,9 @@ void EngineHost::on_path_validation(Engine& e, const sockaddr_in& from, const ui
     return;
   }
   Engine::Validation& v = e.validation;
+  // A late answer to a challenge sent again, after the first answer
+  // validated the address: a duplicate, not a forgery.
+  if (!v.active && e.validated_challenge != 0 && h.challenge == e.validated_challenge && same_address(e.peer, from)) return;
   if (!v.active || !same_address(v.candidate, from) || h.challenge != v.challenge) {
     ++migrations_rejected_;  // answers no challenge of ours: forged, or stale
     return;
@@ -410,16 +434,17 @@ void EngineHost::on_path_validation(Engine& e, const sockaddr_in& from, const ui
   e.rx_addresses.source_ip = from.sin_addr.s_addr;
   e.rx_addresses.source_port = ntohs(from.sin_port);
   std::vector<Engine::Held> held = std::move(v.held);
+  e.validated_challenge = v.challenge;
   v = Engine::Validation{};
   ++migrations_;
   for (const Engine::Held& d : held)
-    e.engine.receive(d.bytes.data(), d.bytes.size(), e.rx_addresses, now, d.arrival);
+    e.engine.receive(d.bytes.data(), d.bytes.size(), e.rx_addresses, now, d.arrival, d.congestion_mark);
   e.engine.addresses_changed(now);
   flush_engine(e, now);
 }
 
 void EngineHost::on_unvalidated(Engine& e, const sockaddr_in& from, const uint8_t* data, uint32_t length,
-                                uint64_t now, uint64_t arrival) {
+                                uint64_t now, uint64_t arrival, bool congestion_mark) {
   off::Header h;
   if (off::decode(off::Mode::stellar, data, length, {}, h) != off::DecodeError::none) {
     ++malformed_;
@@ -430,11 +455,12 @@ void EngineHost::on_unvalidated(Engine& e, const sockaddr_in& from, const uint8_
     return;
   }
   Engine::Validation& v = e.validation;
+  const uint64_t interval = std::max(min_challenge_interval_ns, 2 * e.engine.smoothed_rtt_ns());
   if (!v.active || !same_address(v.candidate, from)) {
     // A new candidate replaces one being validated only once that one had
     // its time: a token holder cycling source addresses gets at most one
     // challenge per interval out of us.
-    if (v.active && now - v.sent_ns < min_challenge_interval_ns) {
+    if (v.active && now - v.sent_ns < interval) {
       ++migration_dropped_;
       return;
     }
@@ -446,23 +472,53 @@ void EngineHost::on_unvalidated(Engine& e, const sockaddr_in& from, const uint8_
   // Where the challenge goes: the peer's receiving socket at the new
   // address. Packets of path 0 leave from it; until one arrives, the port
   // the peer received on before (a moving host keeps it when it is free).
-  // Other paths leave from send-only sockets that nobody reads.
-  if (h.path == 0) v.receive_port = from.sin_port;
-  sockaddr_in to = from;
-  to.sin_port = v.receive_port ? v.receive_port : e.peer.sin_port;
-  if (v.held.size() < max_held_datagrams) {
-    v.held.push_back(Engine::Held{std::vector<uint8_t>(data, data + length), arrival});
+  // Other paths leave from send-only sockets that nobody reads. Learnt
+  // once per candidate, so that varying ports buys no extra challenges.
+  bool port_learned = false;
+  if (h.path == 0 && v.receive_port == 0) {
+    v.receive_port = from.sin_port;
+    port_learned = v.sends > 0 && v.to.sin_port != from.sin_port;
+  }
+  v.to = from;
+  v.to.sin_port = v.receive_port ? v.receive_port : e.peer.sin_port;
+  if (v.held.size() < max_held_datagrams && v.held_bytes + length <= max_held_bytes) {
+    v.held.push_back(Engine::Held{std::vector<uint8_t>(data, data + length), arrival, congestion_mark});
+    v.held_bytes += length;
   } else {
     ++migration_dropped_;  // the sender resends it once the address is validated
   }
-  const uint64_t interval = std::max(min_challenge_interval_ns, 2 * e.engine.smoothed_rtt_ns());
-  const bool port_learned = h.path == 0 && v.sent_to_port != from.sin_port;
-  if (v.sends == 0 || now - v.sent_ns >= interval || port_learned) {
-    send_validation(e, to, off::opcode::path_challenge, v.challenge);
-    v.sent_to_port = to.sin_port;
-    v.sent_ns = now;
-    ++v.sends;
-    ++path_challenges_;
+  if (v.sends == 0 || port_learned) send_challenge(e, now);
+}
+
+void EngineHost::send_challenge(Engine& e, uint64_t now) {
+  Engine::Validation& v = e.validation;
+  send_validation(e, v.to, off::opcode::path_challenge, v.challenge);
+  v.sent_ns = now;
+  ++v.sends;
+  ++path_challenges_;
+}
+
+void EngineHost::address_timers_locked(uint64_t now) {
+  for (auto& [key, ep] : engines_) {
+    Engine& e = *ep;
+    Engine::Validation& v = e.validation;
+    if (v.active && now - v.sent_ns >= std::max(min_challenge_interval_ns, 2 * e.engine.smoothed_rtt_ns())) {
+      if (v.sends >= max_challenges) {
+        migration_dropped_ += v.held.size();  // never answered: forget it and what it held
+        v = Engine::Validation{};
+      } else {
+        send_challenge(e, now);  // the challenge or its response may have been lost
+      }
+    }
+    if (e.announcing && now >= e.next_announce) {
+      if (++e.announcements > max_announcements) {
+        e.announcing = false;
+      } else {
+        e.engine.addresses_changed(now);
+        flush_engine(e, now);
+        e.next_announce = now + announce_interval_ns;
+      }
+    }
   }
 }
 
@@ -472,7 +528,17 @@ bool EngineHost::address_changes() {
   netlink_checked_ = now;
   bool any = false;
   char buffer[8192];
-  while (::recv(netlink_fd_, buffer, sizeof buffer, MSG_DONTWAIT) > 0) any = true;
+  for (;;) {
+    const ssize_t n = ::recv(netlink_fd_, buffer, sizeof buffer, MSG_DONTWAIT);
+    if (n > 0) {
+      any = true;
+    } else {
+      // ENOBUFS: notifications were lost in an overflow; one may have been ours.
+      if (n < 0 && errno == ENOBUFS) any = true;
+      if (n < 0 && errno == EINTR) continue;
+      break;
+    }
+  }
   return any;
 }
 
@@ -514,8 +580,12 @@ void EngineHost::follow_address_locked(uint64_t now) {
     if (!source) continue;
     const std::string address = format_ipv4(*source);
     if (auto error = rebind_locked(address, now)) {
-      std::fprintf(stderr, "stellar: our address %s is gone; rebinding to %s failed: %s\n",
-                   format_ipv4(socket_.local()).c_str(), address.c_str(), error->c_str());
+      // Once per second at most: while it keeps failing, every send asks again.
+      if (now - follow_logged_ >= 1'000'000'000) {
+        follow_logged_ = now;
+        std::fprintf(stderr, "stellar: our address %s is gone; rebinding to %s failed: %s\n",
+                     format_ipv4(socket_.local()).c_str(), address.c_str(), error->c_str());
+      }
     }
     return;
   }
@@ -524,16 +594,25 @@ void EngineHost::follow_address_locked(uint64_t now) {
 std::optional<std::string> EngineHost::rebind_locked(const std::string& address, uint64_t now) {
   if (options_.mode != off::Mode::stellar)
     return std::string("roce mode names a connection by its addresses and ports: it cannot change address");
-  if (!parse_ipv4(address, 0)) return "not an IPv4 address: '" + address + "'";
-  // The same port if it is free there, so that only the address changes.
-  const uint16_t port = ntohs(socket_.local().sin_port);
-  if (auto e = socket_.rebind(address, port)) {
+  const auto target = parse_ipv4(address, 0);
+  if (!target) return "not an IPv4 address: '" + address + "'";
+  // Already there: nothing to do (rebinding would only change the port,
+  // which a peer that sees no new address would never learn).
+  if (target->sin_addr.s_addr == socket_.local().sin_addr.s_addr) return std::nullopt;
+  // Every new socket first, so that a failure changes nothing: the same
+  // port if it is free there, so that only the address changes.
+  UdpSocket main;
+  if (auto e = main.open(address, ntohs(socket_.local().sin_port))) {
     if (e->invalid_address) return e->message;
-    if (auto again = socket_.rebind(address, 0)) return again->message;
+    main.close();
+    if (auto again = main.open(address, 0)) return again->message;
   }
-  for (auto& p : paths_) {
-    if (auto e = p->rebind(address, 0)) return "path socket: " + e->message;  // path 0 still works
-  }
+  std::vector<UdpSocket> fresh(paths_.size());
+  for (size_t i = 0; i < paths_.size(); ++i)
+    if (auto e = fresh[i].open(address, 0)) return "path socket: " + e->message;
+  if (auto e = socket_.adopt(main)) return e->message;
+  for (size_t i = 0; i < paths_.size(); ++i)
+    if (auto e = paths_[i]->adopt(fresh[i])) return "path socket: " + e->message;  // dup3 failing: EMFILE-like
   options_.bind_address = address;
   ++rebinds_;
   moved_at_ = monotonic_ns();
@@ -546,10 +625,16 @@ std::optional<std::string> EngineHost::rebind_locked(const std::string& address,
     e->rx_addresses.destination_ip = local.sin_addr.s_addr;
     e->rx_addresses.destination_port = ntohs(local.sin_port);
     // Tell every peer at once (an ACK from the new address starts its
-    // validation) and probe for what the move lost.
+    // validation) and probe for what the move lost; again every
+    // announce interval until the peer is heard at the new address.
     e->engine.addresses_changed(now);
     flush_engine(*e, now);
+    e->announcing = true;
+    e->announcements = 0;
+    e->next_announce = now + announce_interval_ns;
   }
+  // A thread asleep in ppoll waits on the old socket: wake it.
+  kick();
   return std::nullopt;
 }
 
@@ -562,7 +647,10 @@ void EngineHost::flush_acknowledgements_locked(uint64_t now) {
 
 uint64_t EngineHost::next_wakeup_locked(uint64_t now) {
   uint64_t t = client_.next_wakeup_locked(now);
-  for (auto& [key, e] : engines_) t = std::min(t, e->engine.next_wakeup_ns(now));
+  for (auto& [key, e] : engines_) {
+    t = std::min(t, e->engine.next_wakeup_ns(now));
+    if (e->validation.active || e->announcing) t = std::min(t, timers_due_);
+  }
   return t;
 }
 

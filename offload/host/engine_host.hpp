@@ -109,7 +109,11 @@ class EngineHost final : public Host {
   // A datagram for `e` from an address other than its peer's: held, and the
   // address challenged; nothing reaches the engine until it is validated.
   void on_unvalidated(Engine& e, const sockaddr_in& from, const uint8_t* data, uint32_t length, uint64_t now,
-                      uint64_t arrival);
+                      uint64_t arrival, bool congestion_mark);
+  void send_challenge(Engine& e, uint64_t now);
+  // Challenges again whose answer is overdue (and gives up after a few),
+  // and repeats a moved host's announcement until its peer is heard.
+  void address_timers_locked(uint64_t now);
   void send_validation(const Engine& e, const sockaddr_in& to, uint8_t opcode, uint64_t challenge);
   // Sends failed as they do when the bound address is gone, or the kernel
   // reported an address change: if our address is gone, rebind to the one
@@ -151,6 +155,8 @@ class EngineHost final : public Host {
   int netlink_fd_ = -1;           // RTMGRP_IPV4_IFADDR notifications (follow_address)
   uint64_t netlink_checked_ = 0;  // when it was last read
   uint64_t follow_checked_ = 0;   // when follow_address_locked last looked
+  uint64_t follow_logged_ = 0;    // when a failed rebind was last reported
+  uint64_t timers_due_ = 0;       // address_timers_locked's next run
   uint64_t moved_at_ = 0;         // the last rebind, until the first acknowledgement after it
   uint64_t last_move_ns_ = 0;     // HostCounters::last_move_ns
   bool address_suspect_ = false;  // a send failed as if our address were gone

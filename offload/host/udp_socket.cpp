@@ -1,5 +1,7 @@
 #include "host/udp_socket.hpp"
 
+#include <fcntl.h>
+
 #include <arpa/inet.h>
 #include <netinet/udp.h>
 #include <sys/socket.h>
@@ -50,7 +52,13 @@ std::optional<SocketError> UdpSocket::rebind(const std::string& address, uint16_
   if (fd_ < 0) return open(address, port);
   UdpSocket fresh;
   if (auto e = fresh.open(address, port)) return e;
-  if (::dup2(fresh.fd_, fd_) < 0) return system_error("dup2");
+  return adopt(fresh);
+}
+
+std::optional<SocketError> UdpSocket::adopt(UdpSocket& fresh) {
+  if (fd_ < 0 || fresh.fd_ < 0) return SocketError{false, "adopt: a socket is not open"};
+  // dup3, not dup2: the descriptor stays close-on-exec.
+  if (::dup3(fresh.fd_, fd_, O_CLOEXEC) < 0) return system_error("dup3");
   // fd_ now names the new socket; fresh closes its own number of it.
   local_ = fresh.local_;
   gso_supported_ = fresh.gso_supported_;
@@ -64,6 +72,7 @@ std::optional<SocketError> UdpSocket::rebind(const std::string& address, uint16_
   address_error_ = false;
   if (send_only_) send_only();
   if (ecn_) enable_ecn();
+  fresh.close();
   return std::nullopt;
 }
 

@@ -69,6 +69,11 @@ class UdpSocket {
   // must add it again). GSO and send-only settings carry over. On failure
   // the socket is unchanged.
   std::optional<SocketError> rebind(const std::string& address, uint16_t port);
+  // The second half of rebind: `fresh` (opened elsewhere) takes this
+  // socket's place under this socket's descriptor number (close-on-exec
+  // kept); `fresh` is left closed. For hosts that open every new socket
+  // before swapping any, so that a failure leaves all of them as they were.
+  std::optional<SocketError> adopt(UdpSocket& fresh);
   // True once since the last call if a send failed the way sends fail when
   // the bound address is gone (ENETUNREACH, EADDRNOTAVAIL, EINVAL): the
   // host then looks for its new address (EngineHost, address change).

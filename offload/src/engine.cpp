@@ -121,7 +121,10 @@ void QpEngine::receive_decoded(const Header& h, uint64_t now_ns, uint64_t arriva
       ++s.ctx.counters.congestion_marks;
       s.replies.on_congestion_mark(h.path);
     }
-    if (h.ce_count) s.paths.on_congestion_mark(h.echo_path, h.ce_count);
+    if (h.ce_count) {
+      s.paths.on_congestion_mark(h.echo_path, h.ce_count);
+      if (s.paths.marked_everywhere(now_ns)) s.cc->on_loss(now_ns);  // rate-limited per RTT by the controller
+    }
   }
   if (opcode_is_request(h.opcode)) s.responder.note_request_arrival(arrival);
   // Host delay on both ends: this packet waited (now - arrival) for us to

@@ -221,6 +221,16 @@ void PathSet::on_congestion_mark(uint16_t path, uint16_t count) {
   p.clean_run = 0;  // REPS: not clean
 }
 
+bool PathSet::marked_everywhere(uint64_t now) const {
+  uint64_t sum = 0, used = 0;
+  for (const Path& p : paths_) {
+    if (p.retired_until > now) continue;
+    sum += p.marks;
+    ++used;
+  }
+  return used > 0 && sum > used * (one / 2);
+}
+
 void PathSet::on_lost(uint16_t path, uint64_t now, bool timeout) {
   Path& p = paths_[path];
   ++p.lost;

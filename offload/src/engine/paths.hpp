@@ -59,6 +59,11 @@ class PathSet {
   // queues build there. The path is chosen less (cost, REPS, bandit) but
   // never retired for it: marks mean congestion, not failure.
   void on_congestion_mark(uint16_t path, uint16_t count);
+  // Most of the traffic meets marks: the mark rate averaged over the paths
+  // in use is past one half. Then the bottleneck is shared (or there is one
+  // path) and congestion control must slow down, as for a loss (RFC 3168);
+  // marks on some paths only are for path choice to steer around.
+  bool marked_everywhere(uint64_t now) const;
   // How much longer than a packet on path `evidence` a packet on `path` may
   // take (loss detection allows it beyond the evidence's RTT): the
   // difference of their minimum RTTs plus four times `path`'s RTT
