@@ -67,6 +67,8 @@ struct Options {
   uint32_t cc_target_delay_us = 0;  // 0: the provider's default
   std::string wait = "busy";        // busy: spin on the CQ (perftest's way); adaptive: spin 50 us, then sleep
   uint32_t wait_client = 300;       // seconds the server waits for its clients to connect
+  std::string tenant, hint;         // docs/scheduler.md
+  uint64_t tx_rate = 0;             // bytes/s the flow scheduler shapes to (0: none)
 };
 
 struct Remote {
@@ -156,6 +158,9 @@ void setup(Side& side) {
   co.wait = o.wait == "adaptive" ? WaitPolicy::adaptive : WaitPolicy::busy_poll;
   co.udp_port = o.udp_port;
   co.mtu = o.mtu;
+  co.tenant = o.tenant;
+  if (!o.hint.empty()) co.hints = check(JobHints::parse(o.hint), "--hint");
+  co.tx_rate_bytes_per_s = o.tx_rate;
   side.ctx = check(Context::open(co), "open context");
   side.pd = check(side.ctx->allocate_pd(), "allocate PD");
   side.cq = check(side.ctx->create_cq(16384), "create CQ");
@@ -493,6 +498,10 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"tcp", "rdma_cm"}))
       ->capture_default_str();
   app.add_option("--udp_port", o.udp_port, "Local UDP port of the soft provider (0: any; roce mode tries 4791)")->capture_default_str();
+  app.add_option("--tenant", o.tenant, "Open the context as this tenant (its credential from STELLAR_TENANT_CREDENTIAL; docs/scheduler.md)");
+  app.add_option("--hint", o.hint, "Job hints of the QPs: a kind (allreduce, all-to-all, parameter-fetch, kv-fetch, checkpoint, control) "
+                 "or job=NAME,kind=KIND,priority=P,weight=W");
+  app.add_option("--tx_rate", o.tx_rate, "Soft provider: bytes/s the flow scheduler shapes this process's transmissions to (0: none)");
   CLI11_PARSE(app, argc, argv);
   if (op == Op::atomic) o.size = 8;
   if (!bandwidth_test) o.qps = 1;

@@ -48,6 +48,8 @@ struct Options {
   int timeout_ms = 30000;
   std::string wait;
   bool verbose = false;
+  std::string tenant, hint;  // docs/scheduler.md
+  uint64_t tx_rate = 0;      // bytes/s the flow scheduler shapes each rank to (0: none)
 };
 
 Result<size_t> parse_size(const std::string& text) {
@@ -307,6 +309,10 @@ int main(int argc, char** argv) {
   app.add_flag("-v,--verbose", o.verbose, "print each rank's transport counters at the end");
   app.add_option("--wait", o.wait, "busy (spin: lowest latency, one core per rank) or adaptive (spin 50 us, then sleep); "
                  "default: busy, or adaptive when -N forks more ranks than there are cores");
+  app.add_option("--tenant", o.tenant, "Open the context as this tenant (its credential from STELLAR_TENANT_CREDENTIAL; docs/scheduler.md)");
+  app.add_option("--hint", o.hint, "Job hints of the QPs: a kind (allreduce, all-to-all, parameter-fetch, kv-fetch, checkpoint, control) "
+                 "or job=NAME,kind=KIND,priority=P,weight=W");
+  app.add_option("--tx_rate", o.tx_rate, "Soft provider: bytes/s the flow scheduler shapes this process's transmissions to (0: none)");
   CLI11_PARSE(app, argc, argv);
 
   CommunicatorOptions base;
@@ -330,6 +336,13 @@ int main(int argc, char** argv) {
   else if (o.cc == "swift") base.context.congestion_control = CongestionControl::swift;
   else if (o.cc != "auto") die("--cc", Status(Errc::invalid_argument, "auto, none, dcqcn or swift"));
   if (o.line_rate_mbps) base.context.line_rate_bps = o.line_rate_mbps * 1'000'000;
+  base.context.tenant = o.tenant;
+  base.context.tx_rate_bytes_per_s = o.tx_rate;
+  if (!o.hint.empty()) {
+    auto hints = JobHints::parse(o.hint);
+    if (!hints) die("--hint", hints.status());
+    base.context.hints = *hints;
+  }
   if (o.algorithm == "ring") base.allreduce_algorithm = AllreduceAlgorithm::ring;
   else if (o.algorithm == "rd") base.allreduce_algorithm = AllreduceAlgorithm::recursive_doubling;
   else if (o.algorithm != "auto") die("--algorithm", Status(Errc::invalid_argument, "auto, ring or rd"));

@@ -45,6 +45,8 @@ struct Options {
   bool adaptive = false;
   bool all = false;
   uint32_t wait_client = 300;  // seconds the server waits for a client that connects
+  std::string tenant, hint;    // docs/scheduler.md
+  uint64_t tx_rate = 0;        // bytes/s the flow scheduler shapes to (0: none)
 };
 
 struct Remote {
@@ -104,6 +106,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--mtu", o.mtu, "Payload bytes per packet")->capture_default_str()->check(CLI::Range(256u, 16384u));
   app.add_flag("--adaptive", o.adaptive, "Spin then sleep instead of pure busy-polling");
+  app.add_option("--tenant", o.tenant, "Open the context as this tenant (its credential from STELLAR_TENANT_CREDENTIAL; docs/scheduler.md)");
+  app.add_option("--hint", o.hint, "Job hints of the QPs: a kind (allreduce, all-to-all, parameter-fetch, kv-fetch, checkpoint, control) "
+                 "or job=NAME,kind=KIND,priority=P,weight=W");
+  app.add_option("--tx_rate", o.tx_rate, "Soft provider: bytes/s the flow scheduler shapes this process's transmissions to (0: none)");
   CLI11_PARSE(app, argc, argv);
   const bool is_server = o.server.empty();
 
@@ -113,6 +119,9 @@ int main(int argc, char** argv) {
   co.bind_address = o.bind;
   co.mtu = o.mtu;
   co.wait = o.adaptive ? WaitPolicy::adaptive : WaitPolicy::busy_poll;
+  co.tenant = o.tenant;
+  if (!o.hint.empty()) co.hints = check(JobHints::parse(o.hint), "--hint");
+  co.tx_rate_bytes_per_s = o.tx_rate;
   auto context = check(Context::open(co), "open context");
   auto pd = check(context->allocate_pd(), "allocate PD");
   auto cq = check(context->create_cq(1024), "create CQ");

@@ -14,8 +14,10 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "stellar/completion_status.hpp"
 #include "stellar/status.hpp"
@@ -63,6 +65,44 @@ struct FaultOptions {
   static Result<FaultOptions> from_environment(const FaultOptions& base);
 };
 
+// What a training job says about a QP's traffic (docs/scheduler.md): the
+// flow scheduler turns it into a traffic class (the DSCP of the soft
+// provider's packets, the GRH traffic class on the verbs provider) and a
+// share of the engine host's transmit capacity.
+enum class TrafficKind : uint8_t {
+  unspecified,              // class 0 (best effort)
+  gradient_allreduce,       // collectives' gradient traffic: class 4
+  gradient_reduce_scatter,  // class 4
+  gradient_allgather,       // class 4
+  all_to_all,               // expert parallelism: class 4
+  parameter_fetch,          // parameter-server or weight fetches: class 3
+  kv_fetch,                 // KV-cache transfers (inference): class 3
+  checkpoint,               // bulk that may wait: class 1
+  control,                  // bootstrap, barriers, small messages: class 7, strict priority
+};
+const char* to_string(TrafficKind);  // the names parse_traffic_kind takes
+// "allreduce", "reduce-scatter", "allgather", "all-to-all", "parameter-fetch",
+// "kv-fetch", "checkpoint", "control", "unspecified".
+Result<TrafficKind> parse_traffic_kind(const std::string&);
+
+struct JobHints {
+  std::string job;          // the job's name ("" : the tenant's default job)
+  TrafficKind kind = TrafficKind::unspecified;
+  int priority = -1;        // traffic class 0 (lowest) to 7 (control); -1: the kind's class
+  uint32_t weight = 1;      // the job's share among its tenant's jobs (>= 1)
+  // Optional, for deadline-aware ordering (docs/scheduler.md: recorded and
+  // reported, not yet used to order jobs): the training step's period, the
+  // bytes it moves per step, and a deadline within the step.
+  std::chrono::nanoseconds step_period{0};
+  uint64_t bytes_per_step = 0;
+  std::chrono::nanoseconds deadline{0};
+  // The traffic class (0-7) these hints give.
+  uint8_t traffic_class() const;
+  // "job=NAME,kind=KIND,priority=P,weight=W,step_ms=MS,bytes_per_step=B,deadline_ms=MS",
+  // any subset, or just "KIND". invalid_argument names the bad field.
+  static Result<JobHints> parse(const std::string&);
+};
+
 struct ContextOptions {
   Provider provider = Provider::soft;
   Mode mode = Mode::stellar;
@@ -98,6 +138,26 @@ struct ContextOptions {
   // (docs/multipath.md, "Address change"). STELLAR_FOLLOW_ADDRESS=0 turns it off.
   bool follow_address = true;
   std::string device;                          // verbs provider: device name, e.g. "mlx5_0" ("" = chosen by bind_address)
+  // Tenants (docs/scheduler.md). The context opens as `tenant` (its PDs'
+  // default) with `credential`; with a tenants file, the file must list the
+  // tenant with that credential, else open fails with permission_denied.
+  // STELLAR_TENANT, STELLAR_TENANT_CREDENTIAL and STELLAR_TENANTS (the
+  // file's path) override them at open. "" : the default tenant.
+  std::string tenant;
+  std::string credential;
+  std::string tenants_file;
+  // The QPs' job hints where QpInitAttributes gives none; STELLAR_JOB_HINTS
+  // (JobHints::parse's form) overrides them at open.
+  JobHints hints{};
+  // DSCP (0-63) of each traffic class 0-7 on the soft provider's packets
+  // (and the GRH traffic class, DSCP << 2, on the verbs provider).
+  // STELLAR_TRAFFIC_CLASS_DSCP="0,8,16,24,32,40,46,48" overrides it.
+  uint8_t class_dscp[8] = {0, 8, 16, 24, 32, 40, 46, 48};
+  // soft provider, in-process engines: the rate (bytes/s) the flow scheduler
+  // shapes this context's transmissions to, so that tenants' shares are
+  // decided here instead of in a shared queue downstream; 0: none.
+  // STELLAR_TX_RATE (bytes/s) overrides it.
+  uint64_t tx_rate_bytes_per_s = 0;
 };
 
 // Memory access rights (ibv_access_flags).
@@ -199,6 +259,8 @@ struct QpInitAttributes {
   std::shared_ptr<CompletionQueue> send_cq;
   std::shared_ptr<CompletionQueue> recv_cq;
   QpCapabilities cap{};
+  // The traffic's job hints; unset: ContextOptions::hints.
+  std::optional<JobHints> hints;
 };
 
 // What a peer needs to connect to a QP (exchanged by the connection manager).
@@ -273,8 +335,48 @@ class ProtectionDomain {
   virtual const std::string& tenant() const = 0;
 };
 
+// A tenant: a principal with its own QP-number, key and partition spaces,
+// a share of the transmit capacity and quotas (docs/scheduler.md). 0 in a
+// quota means no limit.
 struct TenantOptions {
   uint16_t pkey = 0;  // partition key on the wire; 0 picks a free one
+  // Needed to use a tenant the tenants file defines (compared in constant
+  // time). A tenant the file does not list is created with these options:
+  // the process that creates it is its authority.
+  std::string credential;
+  uint32_t weight = 1;            // share of transmit capacity among tenants with traffic waiting
+  uint64_t rate_bytes_per_s = 0;  // transmit rate limit; 0: none
+  uint64_t burst_bytes = 0;       // its bucket depth; 0: max(64 KiB, 1 ms at the rate)
+  uint32_t max_qps = 0;
+  uint64_t max_registered_bytes = 0;
+  uint32_t max_receive_wrs = 0;   // receive buffers posted and not yet completed, over all its QPs
+  uint32_t max_send_wrs = 0;      // send work requests outstanding, over all its QPs
+};
+
+// Per tenant, and within it per (job, traffic class): what it sent and
+// received, what was dropped and why, and how long its packets waited for
+// the flow scheduler (Context::tenant_counters).
+struct TrafficCounters {
+  std::string job;
+  uint8_t traffic_class = 0;
+  uint32_t qps = 0;
+  uint64_t tx_packets = 0, tx_bytes = 0, rx_packets = 0, rx_bytes = 0;
+  uint64_t retransmitted_packets = 0;
+  // Drops by reason (as in ContextCounters).
+  uint64_t rx_dropped_malformed = 0, rx_dropped_out_of_window = 0, rx_dropped_bad_token = 0, rx_access_errors = 0;
+  // Grants of the flow scheduler, and the time packets were due before one
+  // came (queueing delay in the engine host).
+  uint64_t scheduler_grants = 0, queue_delay_ns_total = 0, queue_delay_ns_max = 0;
+};
+struct TenantCounters {
+  std::string tenant;
+  uint16_t pkey = 0;
+  uint32_t qps = 0;                 // QPs now
+  uint64_t registered_bytes = 0;    // memory registered now
+  uint32_t receive_wrs = 0, send_wrs = 0;  // outstanding now
+  uint64_t quota_refusals = 0;      // requests refused with resource_exhausted
+  uint64_t credential_refusals = 0; // uses refused with permission_denied (wrong or missing credential)
+  std::vector<TrafficCounters> traffic;  // engines' counters, including QPs already destroyed
 };
 
 // Provider-wide counters: everything dropped or retransmitted is counted.
@@ -326,6 +428,10 @@ class Context : public std::enable_shared_from_this<Context> {
 
   // A tenant owns its own QP-number and memory-key spaces and partition key;
   // a packet or key of another tenant never matches. "" is the default tenant.
+  // A tenant the tenants file lists needs its credential (options' other
+  // fields are then the file's); permission_denied otherwise. Quotas refuse
+  // with resource_exhausted. Weights and rate limits need the in-process
+  // engine host (unsupported with ProgressMode::daemon and the verbs provider).
   virtual Status create_tenant(const std::string& name, const TenantOptions& = {}) = 0;
   virtual Result<std::shared_ptr<ProtectionDomain>> allocate_pd(const std::string& tenant = "") = 0;
   virtual Result<std::shared_ptr<CompletionQueue>> create_cq(uint32_t entries) = 0;
@@ -341,6 +447,10 @@ class Context : public std::enable_shared_from_this<Context> {
   // Readable when datagrams wait (inline mode: add it to epoll next to CQ fds).
   virtual int progress_fd() const = 0;
   virtual ContextCounters counters() const = 0;
+  // Per tenant (and job and traffic class) counters; the soft provider with
+  // in-process engines fills `traffic`, other placements only the tenant
+  // level.
+  virtual std::vector<TenantCounters> tenant_counters() const = 0;
   virtual const ContextOptions& options() const = 0;
   // Address and port of the soft provider's UDP socket (they change when
   // the context moves).

@@ -47,6 +47,8 @@ struct EngineHost::Engine final : Host::Engine {
   sockaddr_in peer{};
   off::IcrcAddresses rx_addresses{};  // as received: source = the peer
   uint64_t key = 0;                   // pkey << 32 | qpn
+  FlowScheduler::Flow flow = 0;       // its place in the flow scheduler
+  uint8_t tos = 0;                    // IP TOS byte of its packets (DSCP << 2 | ECN); 0: the socket's
   // Path validation of a new peer address (stellar mode): the address its
   // packets now come from, the challenge sent there, and what arrived from
   // it meanwhile (replayed into the engine once the peer echoes the
@@ -114,6 +116,7 @@ EngineHost::~EngineHost() {
 
 std::optional<SocketError> EngineHost::open(const HostOptions& options) {
   options_ = options;
+  scheduler_.set_link_rate(options_.tx_rate_bytes_per_s, 0, monotonic_ns());
   std::optional<SocketError> error;
   bool bound = false;
   if (options_.mode == off::Mode::roce && options_.udp_port == 0) {
@@ -196,7 +199,7 @@ void EngineHost::stop() {
   }
 }
 
-Host::Engine* EngineHost::attach_locked(const off::EngineConfig& config, const sockaddr_in& peer, const QpBinding&,
+Host::Engine* EngineHost::attach_locked(const off::EngineConfig& config, const sockaddr_in& peer, const QpBinding& binding,
                                         off::MemoryAccess& memory, off::CompletionSink& sink, std::string&) {
   const sockaddr_in& local = socket_.local();
   off::EngineConfig c = config;
@@ -205,6 +208,12 @@ Host::Engine* EngineHost::attach_locked(const off::EngineConfig& config, const s
   e->peer = peer;
   e->rx_addresses = off::IcrcAddresses{peer.sin_addr.s_addr, local.sin_addr.s_addr, ntohs(peer.sin_port), ntohs(local.sin_port)};
   e->key = uint64_t(c.pkey) << 32 | c.local_qpn;
+  // The class's DSCP, with the ECN bits the stellar mode's sockets send
+  // (ECT(0)); DSCP 0 is the socket's own setting already.
+  if (binding.dscp) e->tos = uint8_t(binding.dscp << 2 | (options_.mode == off::Mode::stellar ? 0x02 : 0));
+  e->flow = scheduler_.add(binding.label, monotonic_ns());
+  if (flow_engines_.size() <= e->flow) flow_engines_.resize(e->flow + 1, nullptr);
+  flow_engines_[e->flow] = e.get();
   Engine* handle = e.get();
   engines_[handle->key] = std::move(e);
   return handle;
@@ -220,8 +229,18 @@ void EngineHost::detach_locked(Host::Engine* handle) {
   // Acknowledge what was delivered here before the QP goes: the peer's last
   // SEND (a "bye") must complete there, not retry into a closed QP.
   const size_t n = e->engine.transmit_final_acknowledgement(tx_, 1, monotonic_ns());
-  if (n) send_datagrams(n, e->peer);
+  if (n) send_datagrams(n, e->peer, e->tos);
   accumulate(retired_, e->engine.counters());
+  // Its tenant's report keeps what it did.
+  const FlowLabel& label = scheduler_.label(e->flow);
+  FlowReport& r = retired_flows_[label.tenant + '\0' + label.job + '\0' + char('0' + label.traffic_class)];
+  r.label = label;
+  accumulate(r.counters, e->engine.counters());
+  const FlowWaits& w = scheduler_.waits(e->flow);
+  r.waits.waits += w.waits, r.waits.wait_ns_total += w.wait_ns_total, r.waits.bytes += w.bytes;
+  r.waits.wait_ns_max = std::max(r.waits.wait_ns_max, w.wait_ns_max);
+  scheduler_.remove(e->flow);
+  flow_engines_[e->flow] = nullptr;
   engines_.erase(e->key);
 }
 
@@ -235,9 +254,17 @@ bool EngineHost::in_error_locked(const Host::Engine* e) const { return own(e)->e
 uint32_t EngineHost::outstanding_sends_locked(const Host::Engine* e) const { return own(e)->engine.outstanding_sends(); }
 uint32_t EngineHost::outstanding_receives_locked(const Host::Engine* e) const { return own(e)->engine.outstanding_receives(); }
 
-void EngineHost::posted_locked(Host::Engine* e, uint64_t now_ns) {
-  if (options_.engine_thread) kick();
-  else flush_engine(*own(e), now_ns);
+void EngineHost::posted_locked(Host::Engine* handle, uint64_t now_ns) {
+  if (options_.engine_thread) {
+    kick();
+    return;
+  }
+  // Inline: the new work leaves now, in the scheduler's order (the flow
+  // waits its turn if others are ahead of it).
+  Engine& e = *own(handle);
+  if (e.engine.next_wakeup_ns(now_ns) <= now_ns) scheduler_.ready(e.flow, now_ns);
+  bool more = false;
+  serve_locked(now_ns, more);
 }
 
 size_t EngineHost::flush_engine(Engine& e, uint64_t now_ns) {
@@ -245,10 +272,38 @@ size_t EngineHost::flush_engine(Engine& e, uint64_t now_ns) {
   for (;;) {
     const size_t n = e.engine.transmit(tx_, tx_batch, now_ns);
     if (n == 0) return total;
-    send_datagrams(n, e.peer);
+    send_datagrams(n, e.peer, e.tos);
     total += n;
     if (n < size_t(tx_batch)) return total;
   }
+}
+
+bool EngineHost::serve_locked(uint64_t now, bool& more) {
+  // Datagrams one round sends at most before it receives again (so that
+  // acknowledgements are read while many flows are backlogged).
+  constexpr size_t round_cap = 4 * tx_batch;
+  const uint64_t mtu = std::max<uint32_t>(options_.mtu, 256);
+  size_t sent = 0;
+  FlowScheduler::Flow f;
+  uint64_t budget;
+  while (sent < round_cap && scheduler_.next(now, f, budget)) {
+    Engine& e = *flow_engines_[f];
+    const size_t count = size_t(std::clamp<uint64_t>(budget / mtu, 1, tx_batch));
+    const size_t n = e.engine.transmit(tx_, count, now);
+    uint64_t bytes = 0;
+    for (size_t i = 0; i < n; ++i) bytes += tx_[i].length;
+    if (n) send_datagrams(n, e.peer, e.tos);
+    sent += n;
+    const bool due = n > 0 && e.engine.next_wakeup_ns(now) <= now;
+    // A flow that filled its grant may be offered again this round; one
+    // that stopped short with more due (roce: a READ response burst) waits
+    // for the next round, after the host has received.
+    const bool again = due && n == count;
+    if (due && !again) more = true;
+    scheduler_.served(f, bytes, again, now);
+  }
+  if (sent >= round_cap) more = true;
+  return sent > 0;
 }
 
 UdpSocket& EngineHost::path_socket(uint16_t path) {
@@ -256,10 +311,11 @@ UdpSocket& EngineHost::path_socket(uint16_t path) {
   return index == 0 ? socket_ : *paths_[index - 1];
 }
 
-void EngineHost::send_datagrams(size_t n, const sockaddr_in& peer) {
+void EngineHost::send_datagrams(size_t n, const sockaddr_in& peer, uint8_t tos) {
   for (size_t i = 0; i < n; ++i) {
     Datagram& d = out_[i];
     d = Datagram{tx_[i].data, tx_[i].capacity, tx_[i].length, peer, 0};
+    d.tos = tos;
     if (tx_[i].piece_count) {
       // Zero-copy: headers from the send buffer, payload from registered memory.
       iovec* parts = tx_parts_[i];
@@ -364,13 +420,11 @@ bool EngineHost::progress_round_locked(uint64_t now, bool& more) {
     }
     if (n < rx_batch) break;
   }
-  for (auto& [key, e] : engines_) {
-    off::QpEngine& engine = e->engine;
-    if (engine.next_wakeup_ns(now) <= now && flush_engine(*e, now) > 0) {
-      work = true;
-      if (engine.next_wakeup_ns(now) <= now) more = true;
-    }
-  }
+  // Engines with datagrams due join the scheduler's queue; it decides the
+  // order they leave in (docs/scheduler.md).
+  for (auto& [key, e] : engines_)
+    if (!scheduler_.is_ready(e->flow) && e->engine.next_wakeup_ns(now) <= now) scheduler_.ready(e->flow, now);
+  if (serve_locked(now, more)) work = true;
   // A datagram held back for reordering goes out now if nothing overtook it.
   send_errors_ += filter_->release_held();
   if (options_.mode == off::Mode::stellar) {
@@ -648,7 +702,10 @@ void EngineHost::flush_acknowledgements_locked(uint64_t now) {
 uint64_t EngineHost::next_wakeup_locked(uint64_t now) {
   uint64_t t = client_.next_wakeup_locked(now);
   for (auto& [key, e] : engines_) {
-    t = std::min(t, e->engine.next_wakeup_ns(now));
+    uint64_t w = e->engine.next_wakeup_ns(now);
+    // Due, but its token bucket (or the link's) holds it back: when it refills.
+    if (w <= now && scheduler_.is_ready(e->flow)) w = scheduler_.eligible_at(e->flow, now);
+    t = std::min(t, w);
     if (e->validation.active || e->announcing) t = std::min(t, timers_due_);
   }
   return t;
@@ -673,6 +730,29 @@ HostCounters EngineHost::counters_locked() const {
       clock_gettime(clock, &t) == 0)
     c.engine_cpu_ns = uint64_t(t.tv_sec) * 1'000'000'000ull + uint64_t(t.tv_nsec);
   return c;
+}
+
+bool EngineHost::set_tenant_share_locked(const std::string& tenant, const TenantShare& share) {
+  scheduler_.set_tenant(tenant, share, monotonic_ns());
+  return true;
+}
+
+std::vector<FlowReport> EngineHost::flow_report_locked() const {
+  std::unordered_map<std::string, FlowReport> by = retired_flows_;
+  for (auto& [key, e] : engines_) {
+    const FlowLabel& label = scheduler_.label(e->flow);
+    FlowReport& r = by[label.tenant + '\0' + label.job + '\0' + char('0' + label.traffic_class)];
+    r.label = label;
+    ++r.engines;
+    accumulate(r.counters, e->engine.counters());
+    const FlowWaits& w = scheduler_.waits(e->flow);
+    r.waits.waits += w.waits, r.waits.wait_ns_total += w.wait_ns_total, r.waits.bytes += w.bytes;
+    r.waits.wait_ns_max = std::max(r.waits.wait_ns_max, w.wait_ns_max);
+  }
+  std::vector<FlowReport> out;
+  out.reserve(by.size());
+  for (auto& [key, r] : by) out.push_back(r);
+  return out;
 }
 
 void EngineHost::kick() {

@@ -85,6 +85,8 @@ class EngineHost final : public Host {
   void flush_acknowledgements_locked(uint64_t now_ns) override;
   uint64_t next_wakeup_locked(uint64_t now_ns) override;
   HostCounters counters_locked() const override;
+  bool set_tenant_share_locked(const std::string& tenant, const TenantShare&) override;
+  std::vector<FlowReport> flow_report_locked() const override;
   std::optional<std::string> rebind_locked(const std::string& address, uint64_t now_ns) override;
 
   // ---- without the lock ----
@@ -98,7 +100,12 @@ class EngineHost final : public Host {
   // capped burst of READ responses in roce mode).
   bool progress_round_locked(uint64_t now_ns, bool& more);
   size_t flush_engine(Engine&, uint64_t now_ns);
-  void send_datagrams(size_t n, const sockaddr_in& peer);
+  // Transmits for the flows the scheduler grants, in its order (strict
+  // priority for control, then weighted fair shares, within the token
+  // buckets); `more` when the round's cap stopped it or a flow's burst cap
+  // (roce READ responses) wants a receive in between. True if anything went.
+  bool serve_locked(uint64_t now_ns, bool& more);
+  void send_datagrams(size_t n, const sockaddr_in& peer, uint8_t tos = 0);
   // The socket an engine's path index leaves from (index modulo the sockets).
   UdpSocket& path_socket(uint16_t path);
   void engine_thread();
@@ -139,6 +146,10 @@ class EngineHost final : public Host {
   int kick_fd_ = -1;
   std::unordered_map<uint64_t, std::unique_ptr<Engine>> engines_;  // (pkey << 32 | qpn)
   offload::EngineCounters retired_{};  // counters of detached engines
+  FlowScheduler scheduler_;
+  std::vector<Engine*> flow_engines_;  // by FlowScheduler::Flow
+  // Detached engines' counters and waits, by "tenant\0job\0class".
+  std::unordered_map<std::string, FlowReport> retired_flows_;
   std::vector<uint8_t> rx_memory_, tx_memory_;
   Datagram rx_[rx_batch];
   offload::TxBuffer tx_[tx_batch];

@@ -19,8 +19,10 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "host/fault_filter.hpp"
+#include "host/flow_scheduler.hpp"
 #include "host/udp_socket.hpp"
 #include "stellar/offload/engine.hpp"
 
@@ -43,6 +45,9 @@ struct HostOptions {
   // kernel reports an address change), rebind to the address the kernel now
   // sends from toward the peers (docs/multipath.md, "Address change").
   bool follow_address = true;
+  // The rate (bytes/s) the flow scheduler shapes transmissions to; 0: none
+  // (docs/scheduler.md).
+  uint64_t tx_rate_bytes_per_s = 0;
   bool engine_thread = false;  // progress on a thread of the host's (else the caller's)
   bool adaptive_wait = false;  // the thread sleeps after spinning `spin_ns` without work
   uint64_t spin_ns = 0;
@@ -98,6 +103,19 @@ struct MemoryRegistration {
 struct QpBinding {
   uint32_t pd = 0;
   uint32_t access = 0;  // the QP's remote access flags (modify to INIT)
+  // The flow scheduler's label of the QP's traffic (tenant, job, class) and
+  // the DSCP (0-63) its packets carry (docs/scheduler.md).
+  FlowLabel label;
+  uint8_t dscp = 0;
+};
+
+// Per (tenant, job, traffic class): engines' counters (detached ones
+// included) and the scheduler's waits.
+struct FlowReport {
+  FlowLabel label;
+  uint32_t engines = 0;  // attached now
+  offload::EngineCounters counters;
+  FlowWaits waits;
 };
 
 class Host {
@@ -160,6 +178,12 @@ class Host {
   // The earliest timer across engines and the client; UINT64_MAX: none.
   virtual uint64_t next_wakeup_locked(uint64_t now_ns) = 0;
   virtual HostCounters counters_locked() const = 0;
+  // The flow scheduler's share of a tenant (weight, rate limit); false where
+  // the placement has no scheduler for this application's tenants (the
+  // daemon).
+  virtual bool set_tenant_share_locked(const std::string& /*tenant*/, const TenantShare&) { return false; }
+  // Per (tenant, job, class); empty where the placement does not report it.
+  virtual std::vector<FlowReport> flow_report_locked() const { return {}; }
   // stellar mode: moves this host to `address` (IPv4 text): its sockets bind
   // there (the same port if free), and every connection carries on from it
   // once the peer has validated it. An error message if it cannot (roce

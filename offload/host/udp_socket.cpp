@@ -237,7 +237,8 @@ int UdpSocket::send_batch(Datagram* batch, int count, int& error) {
           const Datagram& d = batch[next + run];
           const size_t more = d.part_count ? d.part_count : 1;
           if (d.length > first.length || bytes + d.length > gso_max_bytes || parts + more > max_message_iovecs ||
-              d.peer.sin_addr.s_addr != first.peer.sin_addr.s_addr || d.peer.sin_port != first.peer.sin_port)
+              d.peer.sin_addr.s_addr != first.peer.sin_addr.s_addr || d.peer.sin_port != first.peer.sin_port ||
+              d.tos != first.tos)
             break;
           if (batch[next + run - 1].length != first.length) break;  // only the last may be shorter
           bytes += d.length;
@@ -259,16 +260,29 @@ int UdpSocket::send_batch(Datagram* batch, int count, int& error) {
           iovecs_[iov++] = {d.data, d.length};
         }
       }
-      if (run > 1) {
+      if (run > 1 || first.tos) {
         char* control = &controls_[size_t(messages) * control_bytes];
+        std::memset(control, 0, control_bytes);
         h.msg_control = control;
-        h.msg_controllen = CMSG_SPACE(sizeof(uint16_t));
+        h.msg_controllen = (run > 1 ? CMSG_SPACE(sizeof(uint16_t)) : 0) + (first.tos ? CMSG_SPACE(sizeof(int)) : 0);
         cmsghdr* c = CMSG_FIRSTHDR(&h);
-        c->cmsg_level = IPPROTO_UDP;
-        c->cmsg_type = UDP_SEGMENT;
-        c->cmsg_len = CMSG_LEN(sizeof(uint16_t));
-        const uint16_t segment = uint16_t(first.length);
-        std::memcpy(CMSG_DATA(c), &segment, sizeof segment);
+        if (run > 1) {
+          c->cmsg_level = IPPROTO_UDP;
+          c->cmsg_type = UDP_SEGMENT;
+          c->cmsg_len = CMSG_LEN(sizeof(uint16_t));
+          const uint16_t segment = uint16_t(first.length);
+          std::memcpy(CMSG_DATA(c), &segment, sizeof segment);
+          c = CMSG_NXTHDR(&h, c);
+        }
+        if (first.tos) {
+          // The traffic class's DSCP for this datagram alone (the flow
+          // scheduler's class), without a setsockopt per class change.
+          c->cmsg_level = IPPROTO_IP;
+          c->cmsg_type = IP_TOS;
+          c->cmsg_len = CMSG_LEN(sizeof(int));
+          const int tos = first.tos;
+          std::memcpy(CMSG_DATA(c), &tos, sizeof tos);
+        }
       }
       firsts[messages] = next;
       sizes[messages] = run;

@@ -28,6 +28,9 @@ struct Datagram {
   // Receiving, with enable_ecn(): the IP header said congestion experienced
   // (ECN CE): a queue on the way marked it.
   bool congestion_mark = false;
+  // Sending only: the IP TOS byte (DSCP << 2 | ECN) of this datagram, sent
+  // as an IP_TOS control message; 0: the socket's own (enable_ecn's ECT(0)).
+  uint8_t tos = 0;
   // Sending only: when part_count > 0 the datagram is these pieces in order
   // (zero-copy gather of headers, payload in place, trailer); length is their total.
   const struct iovec* parts = nullptr;

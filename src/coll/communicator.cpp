@@ -423,6 +423,11 @@ Status Comm::bootstrap() {
     attributes.recv_cq = cq_;
     attributes.cap.max_send_wr = max_send_wr_;
     attributes.cap.max_recv_wr = recv_depth_;
+    // Collectives carry gradient traffic unless the job said otherwise
+    // (docs/scheduler.md): the context's hints with that kind.
+    attributes.hints = context_->options().hints;
+    if (attributes.hints->kind == TrafficKind::unspecified && attributes.hints->priority < 0)
+      attributes.hints->kind = TrafficKind::gradient_allreduce;
     p.in_flight.resize(options_.qps_per_peer);
     p.arrivals.resize(options_.qps_per_peer);
     for (size_t j = 0; j < options_.qps_per_peer; ++j) {

@@ -4,6 +4,7 @@
 
 #include "core/config.hpp"
 #include "core/providers.hpp"
+#include "core/tenants.hpp"
 #include "stellar/verbs.hpp"
 
 namespace stellar {
@@ -57,6 +58,7 @@ Result<std::shared_ptr<Context>> Context::open(const ContextOptions& options) {
   if (*follow) effective.follow_address = **follow == 1;
   if (effective.engined_socket.empty())
     effective.engined_socket = config::text("STELLAR_ENGINED_SOCKET").value_or("/run/stellar/engined.sock");
+  if (Status st = tenants::apply_environment(effective); !st) return st;
   if (effective.mtu < 256 || effective.mtu > 16384)
     return Status(Errc::invalid_argument, "mtu " + std::to_string(effective.mtu) + " outside [256, 16384]");
   const provider::Ops* ops = provider::find(effective.provider);

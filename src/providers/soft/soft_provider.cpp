@@ -24,11 +24,13 @@
 #include <random>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
 #include "core/log.hpp"
 #include "core/providers.hpp"
+#include "core/tenants.hpp"
 #include "gpu/cuda_driver.hpp"
 #include "host/engine_host.hpp"
 #include "host/remote_host.hpp"
@@ -88,6 +90,7 @@ constexpr bool same_opcodes() {
 static_assert(same_opcodes(), "WcOpcode/WrOpcode and the engine's opcodes must list the same entries in the same order");
 
 class SoftContext;
+class SoftQp;
 class SoftPd;
 
 // A remote endpoint the engine can work with (modify to RTR): the engine
@@ -138,6 +141,14 @@ struct WrSlot {
 struct Tenant {
   std::string name;
   uint16_t pkey = 0;
+  TenantOptions options;          // weight, rate limit, quotas (the file's for a tenant it lists)
+  bool from_file = false;         // listed in the tenants file: usable only once its credential was given
+  bool opened = true;
+  // Quota use and refusals (docs/scheduler.md, "Quotas").
+  uint32_t qp_count = 0;
+  uint64_t registered_bytes = 0;
+  uint64_t quota_refusals = 0, credential_refusals = 0;
+  std::unordered_set<SoftQp*> qps;  // every QP of the tenant (outstanding-WR quotas)
   std::unordered_map<uint32_t, MrEntry> by_rkey;
   std::unordered_map<uint32_t, uint32_t> lkey_to_rkey;
   std::unordered_map<uint32_t, bool> qpns;
@@ -284,6 +295,9 @@ class SoftContext final : public Context, public host::HostClient {
     h.adaptive_wait = options_.wait == WaitPolicy::adaptive;
     h.spin_ns = uint64_t(options_.spin_time.count());
     h.daemon_socket = options_.engined_socket;
+    h.tx_rate_bytes_per_s = options_.tx_rate_bytes_per_s;
+    if (daemon() && options_.tx_rate_bytes_per_s)
+      return Status(Errc::unsupported, "tx_rate_bytes_per_s (STELLAR_TX_RATE): the engine daemon shapes with its own options");
     if (auto error = host_->open(h))
       return Status(error->permission_denied ? Errc::permission_denied
                     : error->invalid_address   ? Errc::invalid_argument
@@ -292,6 +306,7 @@ class SoftContext final : public Context, public host::HostClient {
     auto& t = tenants_[""];
     t.name = "";
     t.pkey = 0xffff;
+    if (Status st = open_tenants(); !st.ok()) return st;
     log().info("soft provider: {} mode on {}:{}, mtu {}, {} paths ({}), UDP GSO {}, GRO {}, {} progress, faults drop {} dup {} reorder {}",
                to_string(options_.mode), local_address(), local_port(), options_.mtu, h.paths, to_string(options_.path_policy),
                host_->gso() ? "on" : "off",
@@ -301,9 +316,51 @@ class SoftContext final : public Context, public host::HostClient {
     return {};
   }
 
-  Status create_tenant(const std::string& name, const TenantOptions& o) override {
+  // The tenants file's tenants (locked until their credential is given),
+  // then the tenant this context opens as (ContextOptions::tenant).
+  Status open_tenants() {
     std::lock_guard lock(mutex_);
-    if (name.empty() || tenants_.count(name)) return Status(Errc::invalid_argument, "tenant '" + name + "' exists or has no name");
+    if (!options_.tenants_file.empty()) {
+      auto listed = tenants::load(options_.tenants_file);
+      if (!listed) return listed.status();
+      for (auto& [name, o] : *listed) {
+        if (Status st = add_tenant_locked(name, o); !st.ok()) return Status(st.code(), options_.tenants_file + ": " + st.message());
+        tenants_[name].from_file = true;
+        tenants_[name].opened = false;
+      }
+    }
+    if (options_.tenant.empty()) return Status::success();
+    TenantOptions o;
+    o.credential = options_.credential;
+    return open_tenant_locked(options_.tenant, o);
+  }
+
+  // A tenant the file lists: the credential opens it. One it does not: with
+  // a file, only the file's tenants exist for ContextOptions::tenant; through
+  // create_tenant, the caller defines it.
+  Status open_tenant_locked(const std::string& name, const TenantOptions& o, bool define = false) {
+    auto it = tenants_.find(name);
+    if (it != tenants_.end() && it->second.from_file) {
+      Tenant& t = it->second;
+      if (!tenants::credential_matches(o.credential, t.options.credential)) {
+        ++t.credential_refusals;
+        return Status(Errc::permission_denied, "tenant '" + name + "': " + (o.credential.empty() ? "no credential given" : "wrong credential"));
+      }
+      t.opened = true;
+      return Status::success();
+    }
+    if (it != tenants_.end()) return Status(Errc::invalid_argument, "tenant '" + name + "' exists");
+    if (!define && !options_.tenants_file.empty())
+      return Status(Errc::permission_denied, "tenant '" + name + "' is not in the tenants file " + options_.tenants_file);
+    return add_tenant_locked(name, o);
+  }
+
+  Status add_tenant_locked(const std::string& name, const TenantOptions& o) {
+    const bool shares = o.weight > 1 || o.rate_bytes_per_s;
+    if (shares && daemon())
+      return Status(Errc::unsupported, "tenant '" + name + "': weights and rate limits are applied by the in-process engine host; "
+                                       "the engine daemon shares its capacity per application, not per tenant yet");
+    if (o.weight == 0) return Status(Errc::invalid_argument, "tenant '" + name + "': weight 0 (weights are at least 1)");
     uint16_t pkey = o.pkey;
     auto used = [&](uint16_t k) {
       for (auto& [n, t] : tenants_)
@@ -319,8 +376,26 @@ class SoftContext final : public Context, public host::HostClient {
     Tenant& t = tenants_[name];
     t.name = name;
     t.pkey = pkey;
+    t.options = o;
+    t.options.pkey = pkey;
+    if (!daemon())
+      host_->set_tenant_share_locked(name, host::TenantShare{std::max<uint32_t>(o.weight, 1), o.rate_bytes_per_s, o.burst_bytes});
     return {};
   }
+
+  Status create_tenant(const std::string& name, const TenantOptions& o) override {
+    std::lock_guard lock(mutex_);
+    if (name.empty()) return Status(Errc::invalid_argument, "a tenant needs a name");
+    return open_tenant_locked(name, o, true);
+  }
+
+  // A quota refusal, counted against the tenant.
+  static Status over_quota(Tenant& t, const std::string& what) {
+    ++t.quota_refusals;
+    return Status(Errc::resource_exhausted, "tenant '" + t.name + "': " + what);
+  }
+
+  std::vector<TenantCounters> tenant_counters() const override;
 
   Result<std::shared_ptr<ProtectionDomain>> allocate_pd(const std::string& tenant) override;
 
@@ -416,6 +491,7 @@ class SoftMr final : public MemoryRegion {
     }
     t.by_rkey.erase(e_.rkey);
     t.lkey_to_rkey.erase(e_.lkey);
+    t.registered_bytes -= std::min(t.registered_bytes, e_.length);
     c.host_->deregister_memory_locked(e_.lkey);  // the daemon: returns once it cannot touch the memory
     ++c.memory_generation_;  // engines re-check posted local segments before using them
   }
@@ -437,6 +513,30 @@ Result<std::unique_ptr<MemoryRegion>> SoftPd::register_memory(void* addr, size_t
   if ((access & (access_remote_write | access_remote_atomic)) && !(access & access_local_write))
     return Status(Errc::invalid_argument, "register_memory: remote write/atomic access requires local write (as in verbs)");
   MrEntry e{reinterpret_cast<uint64_t>(addr), length, access, this, 0, 0, static_cast<uint8_t*>(addr), nullptr, 0, nullptr};
+  // The tenant's registered-bytes quota: reserved now (before a GPU shadow
+  // is set up), released if registration fails.
+  struct Reservation {
+    SoftContext& c;
+    const std::string& tenant;
+    uint64_t bytes;
+    bool committed = false;
+    ~Reservation() {
+      if (committed) return;
+      std::lock_guard lock(c.mutex_);
+      Tenant& t = c.tenants_.at(tenant);
+      t.registered_bytes -= std::min(t.registered_bytes, bytes);
+    }
+  };
+  {
+    std::lock_guard lock(context_->mutex_);
+    Tenant& t = context_->tenants_.at(tenant_);
+    if (t.options.max_registered_bytes && t.registered_bytes + length > t.options.max_registered_bytes)
+      return SoftContext::over_quota(t, "registering " + std::to_string(length) + " bytes would pass its quota of " +
+                                            std::to_string(t.options.max_registered_bytes) + " (" +
+                                            std::to_string(t.registered_bytes) + " registered)");
+    t.registered_bytes += length;
+  }
+  Reservation reservation{*context_, tenant_, length};
   if (length && gpu::memory_kind(addr) == gpu::MemoryKind::device) {
     if (context_->daemon())
       return Status(Errc::unsupported, "register_memory: GPU memory in the daemon placement is not supported yet "
@@ -457,6 +557,8 @@ Result<std::unique_ptr<MemoryRegion>> SoftPd::register_memory(void* addr, size_t
   }
   std::lock_guard lock(context_->mutex_);
   Tenant& t = context_->tenants_.at(tenant_);
+  t.registered_bytes -= std::min(t.registered_bytes, uint64_t(length));  // the reservation becomes the region's below
+  reservation.committed = true;
   e.rkey = t.fresh_key();
   t.by_rkey[e.rkey] = e;  // reserve before drawing the lkey
   e.lkey = t.fresh_key();
@@ -467,6 +569,7 @@ Result<std::unique_ptr<MemoryRegion>> SoftPd::register_memory(void* addr, size_t
     t.lkey_to_rkey.erase(e.lkey);
     return Status(Errc::invalid_argument, "register_memory: " + *error);
   }
+  t.registered_bytes += length;
   return std::unique_ptr<MemoryRegion>(std::make_unique<SoftMr>(shared_from_this(), e));
 }
 
@@ -492,6 +595,7 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
         pkey_(pkey),
         send_slots_(std::max<uint32_t>(attr.cap.max_send_wr, 1)),
         recv_slots_(std::max<uint32_t>(attr.cap.max_recv_wr, 1)) {
+    hints_ = attr.hints.value_or(context().options_.hints);
     psn_ = uint32_t(kernel_random() & 0xffffff);
     // stellar mode: this QP's connection token, the secret every packet to it
     // must carry (docs/security.md). Never 0: 0 means "no token" (roce mode).
@@ -503,6 +607,7 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
     std::lock_guard lock(c.mutex_);
     Tenant& t = c.tenants_.at(pd_->tenant());
     t.qpns.erase(qpn_);
+    if (t.qps.erase(this)) --t.qp_count;
     c.staging_.drop_owned_by(this);
     poll_held(true);  // copies still write the device: wait, and deliver what completed
     if (engine_) {
@@ -580,7 +685,11 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
         e.cc_config.swift_target_delay_ns = uint64_t(c.options_.cc_target_delay.count());
         // The host fills in the ICRC addresses and dispatches (pkey, qpn) from peer_ to the engine.
         std::string error;
-        engine_ = c.host_->attach_locked(e, peer_, host::QpBinding{pd_->id(), access_}, *this, *this, error);
+        // The flow scheduler's label and the class's DSCP (docs/scheduler.md).
+        host::QpBinding binding{pd_->id(), access_};
+        binding.label = host::FlowLabel{pd_->tenant(), hints_.job, hints_.weight, hints_.traffic_class()};
+        binding.dscp = c.options_.class_dscp[hints_.traffic_class()];
+        engine_ = c.host_->attach_locked(e, peer_, binding, *this, *this, error);
         if (!engine_) return Status(Errc::io_error, "QP " + std::to_string(qpn_) + ": " + error);
         for (auto& r : early_receives_) c.host_->post_receive_locked(engine_, r);
         early_receives_.clear();
@@ -612,6 +721,9 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
       return Status(Errc::wrong_state, std::string("post_send on QP ") + std::to_string(qpn_) + " in " + to_string(current) + " (needs RTS)");
     if (wr.sg_list.size() > cap_.max_send_sge || wr.sg_list.size() > off::max_segments)
       return Status(Errc::invalid_argument, "post_send: " + std::to_string(wr.sg_list.size()) + " SGEs exceed max_send_sge");
+    if (tenant_->options.max_send_wrs && tenant_outstanding(true) >= tenant_->options.max_send_wrs)
+      return SoftContext::over_quota(*tenant_, "send work requests outstanding reached its quota of " +
+                                                   std::to_string(tenant_->options.max_send_wrs));
     // Completions held for GPU copies still count as outstanding (the CQ was sized for max_send_wr of them).
     if (engine_ && !held_[0].empty() && c.host_->outstanding_sends_locked(engine_) + held_[0].size() >= cap_.max_send_wr)
       return Status(Errc::queue_full, "post_send: send queue full (max_send_wr " + std::to_string(cap_.max_send_wr) + ", some completions waiting for GPU copies)");
@@ -693,6 +805,9 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
     if (state_ == QpState::reset) return Status(Errc::wrong_state, "post_recv on QP " + std::to_string(qpn_) + " in RESET (needs INIT or later)");
     if (wr.sg_list.size() > cap_.max_recv_sge || wr.sg_list.size() > off::max_segments)
       return Status(Errc::invalid_argument, "post_recv: too many SGEs");
+    if (tenant_->options.max_receive_wrs && tenant_outstanding(false) >= tenant_->options.max_receive_wrs)
+      return SoftContext::over_quota(*tenant_, "receive buffers posted reached its quota of " +
+                                                   std::to_string(tenant_->options.max_receive_wrs));
     if (engine_ && !held_[1].empty() && c.host_->outstanding_receives_locked(engine_) + held_[1].size() >= cap_.max_recv_wr)
       return Status(Errc::queue_full, "post_recv: receive queue full (max_recv_wr " + std::to_string(cap_.max_recv_wr) + ", some completions waiting for GPU copies)");
     off::ReceiveWork r;
@@ -843,6 +958,18 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
   bool holds_completions() const { return !held_[0].empty() || !held_[1].empty(); }
   void mark_staging_failed(uint64_t engine_wr_id) { send_slots_[engine_wr_id % send_slots_.size()].staging_failed = true; }
   void bind_tenant(Tenant* t) { tenant_ = t; }
+  // Work requests posted and not completed (under the context's lock).
+  uint32_t outstanding(bool send) const {
+    SoftContext& c = const_cast<SoftQp*>(this)->context();
+    if (!engine_) return send ? 0 : uint32_t(early_receives_.size());
+    return send ? c.host_->outstanding_sends_locked(engine_) : c.host_->outstanding_receives_locked(engine_);
+  }
+  // Over every QP of the tenant (the quotas are per tenant).
+  uint32_t tenant_outstanding(bool send) const {
+    uint32_t n = 0;
+    for (SoftQp* qp : tenant_->qps) n += qp->outstanding(send);
+    return n;
+  }
 
  private:
   SoftContext& context() { return pd_->context(); }
@@ -912,6 +1039,7 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
   QpCapabilities cap_;
   uint32_t qpn_;
   uint16_t pkey_;
+  JobHints hints_;  // its traffic's hints (QpInitAttributes::hints, else the context's)
   uint32_t psn_ = 0;
   uint64_t token_ = 0;  // stellar mode: what the peer must put on every packet to this QP
   uint32_t access_ = 0;
@@ -980,10 +1108,60 @@ Status SoftCq::request_notify() {
   return {};
 }
 
-Result<std::shared_ptr<ProtectionDomain>> SoftContext::allocate_pd(const std::string& tenant) {
+Result<std::shared_ptr<ProtectionDomain>> SoftContext::allocate_pd(const std::string& name) {
   std::lock_guard lock(mutex_);
-  if (!tenants_.count(tenant)) return Status(Errc::not_found, "no tenant named '" + tenant + "'");
+  // "": the tenant this context opened as.
+  const std::string& tenant = name.empty() ? options_.tenant : name;
+  auto it = tenants_.find(tenant);
+  if (it == tenants_.end()) return Status(Errc::not_found, "no tenant named '" + tenant + "'");
+  if (!it->second.opened) {
+    ++it->second.credential_refusals;
+    return Status(Errc::permission_denied, "tenant '" + tenant + "' is in the tenants file: open it with its credential "
+                                           "(ContextOptions::tenant or create_tenant)");
+  }
   return std::shared_ptr<ProtectionDomain>(std::make_shared<SoftPd>(self(), tenant, next_pd_++));
+}
+
+std::vector<TenantCounters> SoftContext::tenant_counters() const {
+  auto& self = const_cast<SoftContext&>(*this);
+  std::lock_guard lock(self.mutex_);
+  std::vector<TenantCounters> out;
+  std::map<std::string, size_t> index;
+  for (auto& [name, t] : tenants_) {
+    if (!t.opened) continue;
+    TenantCounters c;
+    c.tenant = name;
+    c.pkey = t.pkey;
+    c.qps = t.qp_count;
+    c.registered_bytes = t.registered_bytes;
+    for (SoftQp* qp : t.qps) {
+      c.send_wrs += qp->outstanding(true);
+      c.receive_wrs += qp->outstanding(false);
+    }
+    c.quota_refusals = t.quota_refusals;
+    c.credential_refusals = t.credential_refusals;
+    index[name] = out.size();
+    out.push_back(std::move(c));
+  }
+  for (const host::FlowReport& r : host_->flow_report_locked()) {
+    auto it = index.find(r.label.tenant);
+    if (it == index.end()) continue;
+    TrafficCounters tc;
+    tc.job = r.label.job;
+    tc.traffic_class = r.label.traffic_class;
+    tc.qps = r.engines;
+    const off::EngineCounters& e = r.counters;
+    tc.tx_packets = e.tx_packets, tc.tx_bytes = e.tx_bytes, tc.rx_packets = e.rx_packets, tc.rx_bytes = e.rx_bytes;
+    tc.retransmitted_packets = e.retransmitted_packets;
+    tc.rx_dropped_malformed = e.decode_errors, tc.rx_dropped_out_of_window = e.out_of_window;
+    tc.rx_dropped_bad_token = e.bad_token, tc.rx_access_errors = e.access_errors;
+    tc.scheduler_grants = r.waits.waits, tc.queue_delay_ns_total = r.waits.wait_ns_total, tc.queue_delay_ns_max = r.waits.wait_ns_max;
+    out[it->second].traffic.push_back(std::move(tc));
+  }
+  for (TenantCounters& c : out)
+    std::sort(c.traffic.begin(), c.traffic.end(),
+              [](const TrafficCounters& a, const TrafficCounters& b) { return std::tie(a.job, a.traffic_class) < std::tie(b.job, b.traffic_class); });
+  return out;
 }
 
 Result<std::shared_ptr<QueuePair>> SoftPd::create_qp(const QpInitAttributes& attr) {
@@ -1001,10 +1179,14 @@ Result<std::shared_ptr<QueuePair>> SoftPd::create_qp(const QpInitAttributes& att
   {
     std::lock_guard lock(context_->mutex_);
     Tenant& t = context_->tenants_.at(tenant_);
+    if (t.options.max_qps && t.qp_count >= t.options.max_qps)
+      return SoftContext::over_quota(t, "QP quota (" + std::to_string(t.options.max_qps) + ") reached");
     const uint32_t qpn = t.fresh_qpn();
     t.qpns[qpn] = true;
     qp = std::make_shared<SoftQp>(shared_from_this(), attr, qpn, t.pkey);
     qp->bind_tenant(&t);
+    ++t.qp_count;
+    t.qps.insert(qp.get());
   }
   return std::shared_ptr<QueuePair>(qp);
 }

@@ -31,6 +31,7 @@
 #include "core/config.hpp"
 #include "core/log.hpp"
 #include "core/providers.hpp"
+#include "core/tenants.hpp"
 #include "gpu/cuda_driver.hpp"
 #include "providers/verbs/rdma_cm.hpp"
 #include "providers/verbs/shared_registrations.hpp"
@@ -194,6 +195,9 @@ class VerbsContext final : public Context {
   Status create_tenant(const std::string& name, const TenantOptions& o) override {
     std::lock_guard lock(mutex_);
     if (name.empty() || tenants_.count(name)) return Status(Errc::invalid_argument, "tenant '" + name + "' exists or has no name");
+    if (o.weight > 1 || o.rate_bytes_per_s || o.max_qps || o.max_registered_bytes || o.max_receive_wrs || o.max_send_wrs)
+      return Status(Errc::unsupported, "verbs provider: tenant weights, rate limits and quotas are the soft provider's (the NIC's "
+                                       "own QoS is configured outside Stellar); the traffic class follows the job hints");
     if (o.pkey == 0) {
       // Without a partition key of its own the tenant shares the default partition;
       // its PDs still keep its keys from every other PD's QPs (the NIC checks).
@@ -235,6 +239,12 @@ class VerbsContext final : public Context {
   void flush_acknowledgements() override {}  // the NIC acknowledges
   int progress_fd() const override { return -1; }
   ContextCounters counters() const override;
+  std::vector<TenantCounters> tenant_counters() const override {
+    std::lock_guard lock(const_cast<std::mutex&>(mutex_));
+    std::vector<TenantCounters> out;
+    for (auto& [name, p] : tenants_) out.push_back(TenantCounters{name, p.pkey});
+    return out;
+  }
   const ContextOptions& options() const override { return options_; }
   std::string local_address() const override { return choice_.ipv4.empty() ? options_.bind_address : choice_.ipv4; }
   uint16_t local_port() const override { return roce_v2_udp_port; }
@@ -412,8 +422,9 @@ Result<std::unique_ptr<MemoryRegion>> VerbsPd::register_memory(void* addr, size_
 
 class VerbsQp final : public QueuePair {
  public:
-  VerbsQp(std::shared_ptr<VerbsPd> pd, std::shared_ptr<VerbsCq> send_cq, std::shared_ptr<VerbsCq> recv_cq, ibv_qp* qp, QpCapabilities cap)
-      : pd_(std::move(pd)), send_cq_(std::move(send_cq)), recv_cq_(std::move(recv_cq)), qp_(qp), cap_(cap) {
+  VerbsQp(std::shared_ptr<VerbsPd> pd, std::shared_ptr<VerbsCq> send_cq, std::shared_ptr<VerbsCq> recv_cq, ibv_qp* qp, QpCapabilities cap,
+          uint8_t traffic_class)
+      : pd_(std::move(pd)), send_cq_(std::move(send_cq)), recv_cq_(std::move(recv_cq)), qp_(qp), cap_(cap), traffic_class_(traffic_class) {
     std::random_device r;
     psn_ = r() & 0xffffff;
   }
@@ -514,6 +525,7 @@ class VerbsQp final : public QueuePair {
   std::shared_ptr<VerbsCq> send_cq_, recv_cq_;  // kept alive while the QP uses them
   ibv_qp* qp_;
   QpCapabilities cap_;
+  uint8_t traffic_class_;  // GRH traffic class (DSCP << 2)
   uint32_t psn_ = 0;
   VerbsTiming timing_{};  // from RTR, applied at RTS
   mutable std::mutex mutex_;
@@ -572,7 +584,7 @@ Status VerbsQp::modify(const QpModify& m) {
         std::memcpy(attr.ah_attr.grh.dgid.raw, gid->data(), 16);
         attr.ah_attr.grh.sgid_index = uint8_t(c.choice().entry.index);
         attr.ah_attr.grh.hop_limit = hop_limit;
-        attr.ah_attr.grh.traffic_class = c.traffic_class();
+        attr.ah_attr.grh.traffic_class = traffic_class_;
         attr.ah_attr.grh.flow_label = 0;
       }
       const int mask = IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER;
@@ -641,7 +653,7 @@ Status VerbsQp::modify_for_cm(ibv_qp_attr attr, int mask, const QpTiming& timing
       // librdmacm's workaround for old rdma_ucm kernels, which report
       // RoCE-only mask bits (21-23) on InfiniBand ports.
       if (!c.ethernet()) mask &= ~0xe00000;
-      if (attr.ah_attr.is_global && c.traffic_class()) attr.ah_attr.grh.traffic_class = c.traffic_class();
+      if (attr.ah_attr.is_global && traffic_class_) attr.ah_attr.grh.traffic_class = traffic_class_;
       attr.min_rnr_timer = t.min_rnr_timer;
       mask |= IBV_QP_MIN_RNR_TIMER;
       next = QpState::rtr, step = "RTR";
@@ -693,7 +705,11 @@ Result<std::shared_ptr<QueuePair>> VerbsPd::create_qp(const QpInitAttributes& at
     return Status(errc_of(e), call_failed("create_qp: ibv_create_qp", e) +
                                   (e == EINVAL ? " (max_inline_data " + std::to_string(c.max_inline_data) + " may exceed what the device offers)" : ""));
   }
-  return std::shared_ptr<QueuePair>(std::make_shared<VerbsQp>(shared_from_this(), std::move(send_cq), std::move(recv_cq), qp, c));
+  // The GRH traffic class: $STELLAR_VERBS_TC for every QP when set (as
+  // NCCL_IB_TC), else the job hints' class's DSCP (docs/scheduler.md).
+  const uint8_t tc = context_->traffic_class() ? context_->traffic_class()
+                                               : tenants::tos_of(context_->options(), attr.hints.value_or(context_->options().hints));
+  return std::shared_ptr<QueuePair>(std::make_shared<VerbsQp>(shared_from_this(), std::move(send_cq), std::move(recv_cq), qp, c, tc));
 }
 
 Result<int> VerbsCq::wait(std::span<WorkCompletion> out, std::chrono::nanoseconds timeout) {

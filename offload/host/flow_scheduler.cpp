@@ -1,0 +1,202 @@
+#include "host/flow_scheduler.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+namespace stellar::host {
+
+void FlowScheduler::Bucket::configure(uint64_t bytes_per_s, uint64_t burst, uint64_t now) {
+  rate = double(bytes_per_s) / 1e9;
+  depth = burst ? double(burst) : std::max(64.0 * 1024, double(bytes_per_s) / 1000);
+  tokens = depth;  // a new limit starts full: the first burst is not penalised
+  updated = now;
+}
+
+void FlowScheduler::Bucket::refill(uint64_t now) {
+  if (rate == 0 || now <= updated) return;
+  tokens = std::min(depth, tokens + rate * double(now - updated));
+  updated = now;
+}
+
+uint64_t FlowScheduler::Bucket::refilled_at(uint64_t now) const {
+  if (allows()) return now;
+  // Tokens go negative by at most one grant (a grant is not cut short);
+  // the bucket allows again once they are above zero.
+  return now + uint64_t(std::ceil((1.0 - tokens) / rate));
+}
+
+void FlowScheduler::set_link_rate(uint64_t bytes_per_s, uint64_t burst_bytes, uint64_t now) {
+  link_rate_ = bytes_per_s;
+  link_.configure(bytes_per_s, burst_bytes, now);
+  for (auto& [name, t] : tenants_) configure_control(t, now);
+}
+
+void FlowScheduler::configure_control(Tenant& t, uint64_t now) {
+  const uint64_t rate = std::max<uint64_t>(min_control_rate, uint64_t(double(link_rate_) * control_rate_fraction));
+  t.control.configure(rate, 64 * 1024, now);
+}
+
+FlowScheduler::Tenant& FlowScheduler::tenant(const std::string& name, uint64_t now) {
+  auto [it, fresh] = tenants_.try_emplace(name);
+  if (fresh) configure_control(it->second, now);
+  return it->second;
+}
+
+void FlowScheduler::set_tenant(const std::string& name, const TenantShare& share, uint64_t now) {
+  Tenant& t = tenant(name, now);
+  t.share = share;
+  t.share.weight = std::max<uint32_t>(share.weight, 1);
+  t.bucket = Bucket{};
+  if (share.rate_bytes_per_s) t.bucket.configure(share.rate_bytes_per_s, share.burst_bytes, now);
+}
+
+FlowScheduler::Flow FlowScheduler::add(const FlowLabel& label, uint64_t now) {
+  Flow f;
+  if (!free_.empty()) {
+    f = free_.back();
+    free_.pop_back();
+  } else {
+    f = Flow(flows_.size());
+    flows_.emplace_back();
+  }
+  FlowState& s = flows_[f];
+  s = FlowState{};
+  s.used = true;
+  s.label = label;
+  s.label.job_weight = std::max<uint32_t>(label.job_weight, 1);
+  s.label.traffic_class = std::min<uint8_t>(label.traffic_class, traffic_classes - 1);
+  s.tenant = &tenant(label.tenant, now);
+  auto [job, fresh] = s.tenant->jobs.try_emplace(label.job);
+  s.job = &job->second;
+  // The latest flow's hints set the job's weight (they come from one job).
+  s.job->weight = s.label.job_weight;
+  ++s.job->flows;
+  ++s.tenant->flows;
+  return f;
+}
+
+void FlowScheduler::unready(FlowState& s) {
+  if (!s.ready) return;
+  s.ready = false;
+  --ready_count_;
+  --s.job->ready;
+  --s.tenant->ready;
+}
+
+void FlowScheduler::remove(Flow f) {
+  FlowState& s = flows_[f];
+  if (!s.used) return;
+  unready(s);
+  ready_list_.erase(std::remove(ready_list_.begin(), ready_list_.end(), f), ready_list_.end());
+  if (--s.job->flows == 0) s.tenant->jobs.erase(s.label.job);
+  // A tenant's share (weight, rate) stays configured; only its flows go.
+  --s.tenant->flows;
+  s = FlowState{};
+  free_.push_back(f);
+}
+
+void FlowScheduler::ready(Flow f, uint64_t now) {
+  FlowState& s = flows_[f];
+  if (!s.used || s.ready) return;
+  // Start-time fair queueing: a level that was idle starts at the current
+  // virtual time of its parent, so it neither lost its place nor saved up
+  // credit while it had nothing to send.
+  if (s.tenant->ready == 0) s.tenant->vtime = std::max(s.tenant->vtime, tenant_vnow_);
+  if (s.job->ready == 0) s.job->vtime = std::max(s.job->vtime, s.tenant->job_vnow);
+  s.vtime = std::max(s.vtime, s.job->flow_vnow);
+  s.ready = true;
+  s.ready_since = now;
+  ++ready_count_;
+  ++s.job->ready;
+  ++s.tenant->ready;
+  ready_list_.push_back(f);
+}
+
+bool FlowScheduler::next(uint64_t now, Flow& flow, uint64_t& budget) {
+  if (ready_count_ == 0) return false;
+  link_.refill(now);
+  if (!link_.allows()) return false;
+  // Control class within its budget first; then the weighted hierarchy:
+  // the smallest (tenant, job, flow) virtual time among flows whose tenant
+  // may send. Both in one pass over the ready flows.
+  FlowState* control = nullptr;
+  FlowState* best = nullptr;
+  Flow control_id = 0, best_id = 0;
+  for (Flow f : ready_list_) {
+    FlowState& s = flows_[f];
+    Tenant& t = *s.tenant;
+    t.bucket.refill(now);
+    if (!t.bucket.allows()) continue;
+    if (s.label.traffic_class == control_class) {
+      t.control.refill(now);
+      if (t.control.allows() && (!control || s.vtime < control->vtime)) {
+        control = &s;
+        control_id = f;
+      }
+    }
+    if (!best || t.vtime < best->tenant->vtime ||
+        (t.vtime == best->tenant->vtime &&
+         (s.job->vtime < best->job->vtime || (s.job->vtime == best->job->vtime && s.vtime < best->vtime)))) {
+      best = &s;
+      best_id = f;
+    }
+  }
+  if (control) {
+    flow = control_id;
+  } else if (best) {
+    flow = best_id;
+  } else {
+    return false;
+  }
+  // A flow alone needs no small grants to be fair: a whole transmit batch
+  // per grant costs fewer system calls.
+  budget = ready_count_ == 1 ? 4 * quantum_bytes : quantum_bytes;
+  return true;
+}
+
+void FlowScheduler::served(Flow f, uint64_t bytes, bool still_ready, uint64_t now) {
+  FlowState& s = flows_[f];
+  if (!s.used) return;
+  if (s.ready) {
+    const uint64_t waited = now > s.ready_since ? now - s.ready_since : 0;
+    ++s.waits.waits;
+    s.waits.wait_ns_total += waited;
+    s.waits.wait_ns_max = std::max(s.waits.wait_ns_max, waited);
+  }
+  s.waits.bytes += bytes;
+  Tenant& t = *s.tenant;
+  const double b = double(bytes);
+  // The levels' current virtual times are the start tags of what was just
+  // served (start-time fair queueing).
+  tenant_vnow_ = t.vtime;
+  t.job_vnow = s.job->vtime;
+  s.job->flow_vnow = s.vtime;
+  t.vtime += b / double(t.share.weight);
+  s.job->vtime += b / double(s.job->weight);
+  s.vtime += b;
+  link_.take(b);
+  t.bucket.take(b);
+  if (s.label.traffic_class == control_class) t.control.take(b);
+  if (still_ready && bytes > 0) {
+    s.ready_since = now;
+  } else {
+    unready(s);
+    ready_list_.erase(std::find(ready_list_.begin(), ready_list_.end(), f));
+  }
+}
+
+uint64_t FlowScheduler::eligible_at(Flow f, uint64_t now) {
+  FlowState& s = flows_[f];
+  link_.refill(now);
+  s.tenant->bucket.refill(now);
+  return std::max(link_.refilled_at(now), s.tenant->bucket.refilled_at(now));
+}
+
+uint64_t FlowScheduler::eligible_at(uint64_t now) {
+  if (ready_count_ == 0) return UINT64_MAX;
+  uint64_t t = UINT64_MAX;
+  for (Flow f : ready_list_) t = std::min(t, eligible_at(f, now));
+  return t;
+}
+
+}  // namespace stellar::host

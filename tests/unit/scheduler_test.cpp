@@ -1,0 +1,205 @@
+// The flow scheduler on a virtual clock (offload/host/flow_scheduler.hpp):
+// shares by weight, work conservation, rate limits, control priority and
+// its budget. The engine host's use of it is tested in the integration
+// suite (Tenants.*).
+#include "host/flow_scheduler.hpp"
+
+#include <gtest/gtest.h>
+
+#include <map>
+#include <vector>
+
+using stellar::host::FlowLabel;
+using stellar::host::FlowScheduler;
+using stellar::host::TenantShare;
+
+namespace {
+
+constexpr uint64_t ms = 1'000'000;
+
+// Drives the scheduler as the engine host does, with flows that always have
+// packets due (`backlogged`) or that send `control_bytes` once when asked.
+struct Simulation {
+  FlowScheduler s;
+  uint64_t now = 0;
+  std::map<FlowScheduler::Flow, uint64_t> sent;
+  std::vector<FlowScheduler::Flow> order;  // grants, in order
+
+  // One grant; the flow uses all of it. False when nothing may send (the
+  // clock then moves to when something may).
+  bool step(uint64_t max_bytes = FlowScheduler::quantum_bytes) {
+    FlowScheduler::Flow f;
+    uint64_t budget;
+    if (!s.next(now, f, budget)) {
+      const uint64_t at = s.eligible_at(now);
+      if (at == UINT64_MAX) return false;
+      now = std::max(at, now + 1);
+      return true;
+    }
+    const uint64_t bytes = std::min(budget, max_bytes);
+    sent[f] += bytes;
+    order.push_back(f);
+    s.served(f, bytes, true, now);
+    return true;
+  }
+  void run_until(uint64_t t) {
+    while (now < t && step()) {
+    }
+  }
+};
+
+}  // namespace
+
+TEST(FlowScheduler, WeightsOneTwoFourGiveSharesWithinFivePercentInEveryTenMillisecondWindow) {
+  Simulation sim;
+  sim.s.set_link_rate(1'000'000'000, 65536, 0);  // 1 GB/s: the scheduler's rate is the limit
+  const uint32_t weights[] = {1, 2, 4};
+  std::vector<FlowScheduler::Flow> flows;
+  for (int i = 0; i < 3; ++i) {
+    const std::string name = "tenant" + std::to_string(i);
+    sim.s.set_tenant(name, TenantShare{weights[i], 0, 0}, 0);
+    // Each tenant runs two jobs with a few QPs: the tenant's share must not
+    // depend on how many flows it opens.
+    for (int q = 0; q < 1 + 2 * i; ++q) {
+      flows.push_back(sim.s.add(FlowLabel{name, q % 2 ? "a" : "b", 1, 3}, 0));
+      sim.s.ready(flows.back(), 0);
+    }
+  }
+  auto tenant_bytes = [&] {
+    std::vector<uint64_t> b(3, 0);
+    for (auto [f, bytes] : sim.sent) b[size_t(sim.s.label(f).tenant.back() - '0')] += bytes;
+    return b;
+  };
+  for (int window = 0; window < 20; ++window) {
+    const std::vector<uint64_t> before = tenant_bytes();
+    sim.run_until(uint64_t(window + 1) * 10 * ms);
+    const std::vector<uint64_t> after = tenant_bytes();
+    double total = 0;
+    for (int i = 0; i < 3; ++i) total += double(after[i] - before[i]);
+    // The link's rate over 10 ms (one burst of slack).
+    EXPECT_NEAR(total, 10e6, 10e6 * 0.02) << "window " << window;
+    for (int i = 0; i < 3; ++i) {
+      const double share = double(after[i] - before[i]) / total, want = weights[i] / 7.0;
+      EXPECT_NEAR(share / want, 1.0, 0.05) << "tenant " << i << " window " << window;
+    }
+  }
+}
+
+TEST(FlowScheduler, AnIdleShareIsLentOutAndNotSavedUp) {
+  Simulation sim;
+  sim.s.set_link_rate(1'000'000'000, 65536, 0);
+  sim.s.set_tenant("big", TenantShare{4, 0, 0}, 0);
+  sim.s.set_tenant("small", TenantShare{1, 0, 0}, 0);
+  const auto big = sim.s.add(FlowLabel{"big", "", 1, 0}, 0);
+  const auto small = sim.s.add(FlowLabel{"small", "", 1, 0}, 0);
+  sim.s.ready(small, 0);
+  sim.run_until(10 * ms);
+  // Alone, the small tenant takes the whole link (work conservation).
+  EXPECT_NEAR(double(sim.sent[small]), 10e6, 0.3e6);
+  // The big tenant arrives: it gets 4/5 from now on, with no catch-up burst
+  // for the time it was idle (virtual times start at the current one).
+  sim.s.ready(big, sim.now);
+  const uint64_t small_before = sim.sent[small];
+  sim.run_until(30 * ms);
+  const double small_share = double(sim.sent[small] - small_before) / double(sim.sent[big] + sim.sent[small] - small_before);
+  EXPECT_NEAR(small_share, 0.2, 0.02);
+}
+
+TEST(FlowScheduler, ATenantRateLimitCapsItWhileOthersTakeTheRest) {
+  Simulation sim;
+  sim.s.set_link_rate(1'000'000'000, 65536, 0);
+  sim.s.set_tenant("capped", TenantShare{8, 100'000'000, 0}, 0);  // high weight, but 100 MB/s at most
+  sim.s.set_tenant("other", TenantShare{1, 0, 0}, 0);
+  const auto capped = sim.s.add(FlowLabel{"capped", "", 1, 0}, 0);
+  const auto other = sim.s.add(FlowLabel{"other", "", 1, 0}, 0);
+  sim.s.ready(capped, 0);
+  sim.s.ready(other, 0);
+  sim.run_until(100 * ms);
+  // 100 MB/s over 100 ms plus its initial burst (1 ms at its rate) and one
+  // grant of overdraft.
+  EXPECT_LE(double(sim.sent[capped]), 10e6 + 100e3 + 65536.0);
+  EXPECT_GE(double(sim.sent[capped]), 10e6 * 0.98);
+  EXPECT_NEAR(double(sim.sent[other]), 90e6, 90e6 * 0.02);
+}
+
+TEST(FlowScheduler, WithoutALinkRateTheTenantBucketAloneHoldsItBack) {
+  Simulation sim;
+  sim.s.set_tenant("capped", TenantShare{1, 50'000'000, 100'000}, 0);
+  const auto f = sim.s.add(FlowLabel{"capped", "", 1, 0}, 0);
+  sim.s.ready(f, 0);
+  sim.run_until(200 * ms);
+  EXPECT_NEAR(double(sim.sent[f]), 10e6, 10e6 * 0.02);
+}
+
+TEST(FlowScheduler, ControlMessagesOvertakeASaturatingBulkFlow) {
+  Simulation sim;
+  sim.s.set_link_rate(1'000'000'000, 65536, 0);
+  const auto bulk1 = sim.s.add(FlowLabel{"a", "train", 1, 3}, 0);
+  const auto bulk2 = sim.s.add(FlowLabel{"b", "ckpt", 1, 1}, 0);
+  const auto control = sim.s.add(FlowLabel{"a", "train", 1, stellar::host::control_class}, 0);
+  sim.s.ready(bulk1, 0);
+  sim.s.ready(bulk2, 0);
+  sim.run_until(5 * ms);
+  // A control message becomes due while both bulk flows are backlogged:
+  // the very next grant is its.
+  sim.s.ready(control, sim.now);
+  FlowScheduler::Flow f;
+  uint64_t budget;
+  sim.now = sim.s.eligible_at(sim.now);  // the link is busy with the last bulk grant
+  ASSERT_TRUE(sim.s.next(sim.now, f, budget));
+  EXPECT_EQ(f, control);
+  sim.s.served(f, 64, false, sim.now);
+  EXPECT_LE(sim.s.waits(control).wait_ns_max, 70'000u);  // one 64 KiB grant at 1 GB/s
+  // And bulk carries on.
+  sim.now = sim.s.eligible_at(sim.now);
+  ASSERT_TRUE(sim.s.next(sim.now, f, budget));
+  EXPECT_NE(f, control);
+}
+
+TEST(FlowScheduler, BulkMarkedAsControlGetsPriorityOnlyWithinTheControlBudget) {
+  Simulation sim;
+  sim.s.set_link_rate(1'000'000'000, 65536, 0);
+  // Tenant "liar" sends bulk in the control class; tenant "honest" sends
+  // bulk as bulk with the same weight.
+  const auto liar = sim.s.add(FlowLabel{"liar", "", 1, stellar::host::control_class}, 0);
+  const auto honest = sim.s.add(FlowLabel{"honest", "", 1, 3}, 0);
+  sim.s.ready(liar, 0);
+  sim.s.ready(honest, 0);
+  sim.run_until(100 * ms);
+  // Past its control budget (5% of the link) the liar is scheduled by
+  // weight, like everyone else: the honest tenant keeps about half.
+  const double honest_share = double(sim.sent[honest]) / double(sim.sent[honest] + sim.sent[liar]);
+  EXPECT_GT(honest_share, 0.45);
+}
+
+TEST(FlowScheduler, JobWeightsSplitATenantsShare) {
+  Simulation sim;
+  sim.s.set_link_rate(1'000'000'000, 65536, 0);
+  const auto important = sim.s.add(FlowLabel{"t", "important", 3, 3}, 0);
+  const auto other = sim.s.add(FlowLabel{"t", "other", 1, 3}, 0);
+  const auto other2 = sim.s.add(FlowLabel{"t", "other", 1, 3}, 0);
+  for (auto f : {important, other, other2}) sim.s.ready(f, 0);
+  sim.run_until(50 * ms);
+  const double total = double(sim.sent[important] + sim.sent[other] + sim.sent[other2]);
+  EXPECT_NEAR(double(sim.sent[important]) / total, 0.75, 0.02);
+  EXPECT_NEAR(double(sim.sent[other]) / double(sim.sent[other2]), 1.0, 0.05);
+}
+
+TEST(FlowScheduler, RemovedFlowsFreeTheirPlaceAndAFlowThatGoesIdleLeavesTheQueue) {
+  Simulation sim;
+  const auto a = sim.s.add(FlowLabel{"a", "", 1, 0}, 0);
+  const auto b = sim.s.add(FlowLabel{"b", "", 1, 0}, 0);
+  sim.s.ready(a, 0);
+  sim.s.ready(b, 0);
+  sim.s.remove(b);
+  FlowScheduler::Flow f;
+  uint64_t budget;
+  ASSERT_TRUE(sim.s.next(0, f, budget));
+  EXPECT_EQ(f, a);
+  sim.s.served(f, 100, false, 0);
+  EXPECT_FALSE(sim.s.any_ready());
+  EXPECT_FALSE(sim.s.next(0, f, budget));
+  EXPECT_EQ(sim.s.eligible_at(0), UINT64_MAX);
+  const auto c = sim.s.add(FlowLabel{"c", "", 1, 0}, 0);
+  EXPECT_EQ(c, b);  // the slot is reused
+}
