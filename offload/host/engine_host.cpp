@@ -422,8 +422,17 @@ bool EngineHost::progress_round_locked(uint64_t now, bool& more) {
   }
   // Engines with datagrams due join the scheduler's queue; it decides the
   // order they leave in (docs/scheduler.md).
-  for (auto& [key, e] : engines_)
-    if (!scheduler_.is_ready(e->flow) && e->engine.next_wakeup_ns(now) <= now) scheduler_.ready(e->flow, now);
+  for (auto& [key, e] : engines_) {
+    if (!scheduler_.is_ready(e->flow)) {
+      if (e->engine.next_wakeup_ns(now) <= now) scheduler_.ready(e->flow, now);
+    } else if (scheduler_.eligible_at(e->flow, now) > now) {
+      // Held back by a token bucket: its acknowledgements of what the peer
+      // sent still go now (a few bytes), so that the peer's timers and
+      // delay signals do not pay for this side's rate limit.
+      const size_t n = e->engine.transmit_final_acknowledgement(tx_, 1, now);
+      if (n) send_datagrams(n, e->peer, e->tos);
+    }
+  }
   if (serve_locked(now, more)) work = true;
   // A datagram held back for reordering goes out now if nothing overtook it.
   send_errors_ += filter_->release_held();
@@ -693,10 +702,16 @@ std::optional<std::string> EngineHost::rebind_locked(const std::string& address,
 }
 
 void EngineHost::flush_acknowledgements_locked(uint64_t now) {
+  // Acknowledgements only, at once (they are the peer's, and tiny); data
+  // that is due leaves in the scheduler's order and within its buckets.
   for (auto& [key, e] : engines_) {
-    e->engine.acknowledge_now(now);
-    flush_engine(*e, now);
+    const size_t n = e->engine.transmit_final_acknowledgement(tx_, 1, now);
+    if (n) send_datagrams(n, e->peer, e->tos);
   }
+  for (auto& [key, e] : engines_)
+    if (!scheduler_.is_ready(e->flow) && e->engine.next_wakeup_ns(now) <= now) scheduler_.ready(e->flow, now);
+  bool more = false;
+  serve_locked(now, more);
 }
 
 uint64_t EngineHost::next_wakeup_locked(uint64_t now) {

@@ -54,6 +54,7 @@ uint64_t FaultFilter::send(UdpSocket& socket, const Datagram* datagrams, int cou
         held_length_ = d.length;
       }
       held_peer_ = d.peer;
+      held_tos_ = d.tos;
       held_socket_ = &socket;
       ++counters_.reordered;
       continue;
@@ -66,6 +67,7 @@ uint64_t FaultFilter::send(UdpSocket& socket, const Datagram* datagrams, int cou
     if (held_length_ && queued < batch_) {
       // held_ stays referenced by out_ until the batch is sent: hold nothing else in this call.
       out_[size_t(queued++)] = Datagram{held_.data(), uint32_t(held_.size()), held_length_, held_peer_, 0};
+      out_[size_t(queued - 1)].tos = held_tos_;
       held_length_ = 0;
       released_held = true;
     }
@@ -81,6 +83,7 @@ uint64_t FaultFilter::send(UdpSocket& socket, const Datagram* datagrams, int cou
 uint64_t FaultFilter::release_held() {
   if (!held_length_) return 0;
   Datagram d{held_.data(), uint32_t(held_.size()), held_length_, held_peer_, 0};
+  d.tos = held_tos_;
   int error = 0;
   held_length_ = 0;
   return held_socket_->send_batch(&d, 1, error) != 1 ? 1 : 0;

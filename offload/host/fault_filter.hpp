@@ -62,6 +62,7 @@ class FaultFilter {
   std::vector<uint8_t> held_;       // the datagram held back for reordering
   uint32_t held_length_ = 0;
   sockaddr_in held_peer_{};
+  uint8_t held_tos_ = 0;  // the held datagram's TOS (Datagram::tos)
   UdpSocket* held_socket_ = nullptr;
   FaultCounters counters_;
 };

@@ -68,8 +68,10 @@ FlowScheduler::Flow FlowScheduler::add(const FlowLabel& label, uint64_t now) {
   s.tenant = &tenant(label.tenant, now);
   auto [job, fresh] = s.tenant->jobs.try_emplace(label.job);
   s.job = &job->second;
-  // The latest flow's hints set the job's weight (they come from one job).
+  // The latest flow's hints set the job's weight and step (they come from one job).
   s.job->weight = s.label.job_weight;
+  s.job->step_period_ns = label.step_period_ns;
+  s.job->deadline_ns = label.deadline_ns ? label.deadline_ns : label.step_period_ns;
   ++s.job->flows;
   ++s.tenant->flows;
   return f;
@@ -103,6 +105,17 @@ void FlowScheduler::ready(Flow f, uint64_t now) {
   // credit while it had nothing to send.
   if (s.tenant->ready == 0) s.tenant->vtime = std::max(s.tenant->vtime, tenant_vnow_);
   if (s.job->ready == 0) s.job->vtime = std::max(s.job->vtime, s.tenant->job_vnow);
+  Job& job = *s.job;
+  if (job.step_period_ns) {
+    // A new communication phase once the job has been quiet for a quarter
+    // of its step (packets pause for acknowledgements within a phase).
+    const uint64_t quiet = std::max<uint64_t>(job.step_period_ns / 4, 100'000);
+    if (!job.in_phase || (job.ready == 0 && now > job.last_active + quiet)) {
+      job.in_phase = true;
+      job.phase_deadline = now + job.deadline_ns;
+    }
+    job.last_active = now;
+  }
   s.vtime = std::max(s.vtime, s.job->flow_vnow);
   s.ready = true;
   s.ready_since = now;
@@ -110,6 +123,23 @@ void FlowScheduler::ready(Flow f, uint64_t now) {
   ++s.job->ready;
   ++s.tenant->ready;
   ready_list_.push_back(f);
+}
+
+// The weighted hierarchy's order: tenant virtual time; within a tenant,
+// periodic jobs by phase deadline ahead of the others by virtual time; within
+// a job, flow virtual time.
+bool FlowScheduler::before(const FlowState& a, const FlowState& b) {
+  if (a.tenant != b.tenant) return a.tenant->vtime < b.tenant->vtime;
+  if (a.job != b.job) {
+    const bool pa = a.job->step_period_ns != 0, pb = b.job->step_period_ns != 0;
+    if (pa != pb) return pa;
+    if (pa) {
+      if (a.job->phase_deadline != b.job->phase_deadline) return a.job->phase_deadline < b.job->phase_deadline;
+    } else if (a.job->vtime != b.job->vtime) {
+      return a.job->vtime < b.job->vtime;
+    }
+  }
+  return a.vtime < b.vtime;
 }
 
 bool FlowScheduler::next(uint64_t now, Flow& flow, uint64_t& budget) {
@@ -134,15 +164,14 @@ bool FlowScheduler::next(uint64_t now, Flow& flow, uint64_t& budget) {
         control_id = f;
       }
     }
-    if (!best || t.vtime < best->tenant->vtime ||
-        (t.vtime == best->tenant->vtime &&
-         (s.job->vtime < best->job->vtime || (s.job->vtime == best->job->vtime && s.vtime < best->vtime)))) {
+    if (!best || before(s, *best)) {
       best = &s;
       best_id = f;
     }
   }
   if (control) {
     flow = control_id;
+    control_grant_ = control_id;  // served() charges its control budget
   } else if (best) {
     flow = best_id;
   } else {
@@ -168,20 +197,34 @@ void FlowScheduler::served(Flow f, uint64_t bytes, bool still_ready, uint64_t no
   const double b = double(bytes);
   // The levels' current virtual times are the start tags of what was just
   // served (start-time fair queueing).
-  tenant_vnow_ = t.vtime;
-  t.job_vnow = s.job->vtime;
-  s.job->flow_vnow = s.vtime;
+  // Only ever forward: a tenant held back by its rate limit keeps an old
+  // virtual time, and serving it must not pull the others' clock back (a
+  // tenant waking up later would start behind everyone and take the link).
+  tenant_vnow_ = std::max(tenant_vnow_, t.vtime);
+  t.job_vnow = std::max(t.job_vnow, s.job->vtime);
+  s.job->flow_vnow = std::max(s.job->flow_vnow, s.vtime);
   t.vtime += b / double(t.share.weight);
   s.job->vtime += b / double(s.job->weight);
   s.vtime += b;
   link_.take(b);
   t.bucket.take(b);
-  if (s.label.traffic_class == control_class) t.control.take(b);
+  // The control budget pays only for grants it gave: control-class bulk
+  // scheduled by weight beyond it does not push it further into debt.
+  if (control_grant_ == f) t.control.take(b);
+  control_grant_ = no_flow;
+  s.job->last_active = now;
+  // A periodic job still busy a whole step past its phase's deadline is no
+  // longer in phases (a stream): it gets the next deadline, so that it
+  // cannot keep the earliest one for good. A phase that merely runs late
+  // keeps its deadline (moving it would let the other job preempt it).
+  if (s.job->step_period_ns && s.job->in_phase && now > s.job->phase_deadline + s.job->step_period_ns)
+    s.job->phase_deadline = now + s.job->deadline_ns;
   if (still_ready && bytes > 0) {
     s.ready_since = now;
-  } else {
+  } else if (s.ready) {
     unready(s);
-    ready_list_.erase(std::find(ready_list_.begin(), ready_list_.end(), f));
+    auto it = std::find(ready_list_.begin(), ready_list_.end(), f);
+    if (it != ready_list_.end()) ready_list_.erase(it);
   }
 }
 

@@ -13,6 +13,11 @@
 //      (job, tenant) that was idle starts at the level's current virtual
 //      time, so an idle share is lent to whoever has traffic and never
 //      saved up.
+//      Within a tenant, jobs that gave a step period are ordered by the
+//      deadline of their current communication phase (earliest first,
+//      ahead of the tenant's other jobs): two jobs' phases then run one
+//      after the other at full rate instead of both at half, and settle
+//      into interleaving (CASSINI's effect, from the host's side).
 //   3. Token buckets: each tenant's optional rate limit (bytes/s and burst)
 //      and the host's optional link rate (the "scheduler's rate": shaping
 //      at the sender, so that queueing happens here, where it is fair,
@@ -43,6 +48,9 @@ struct FlowLabel {
   std::string tenant, job;
   uint32_t job_weight = 1;        // share among the tenant's jobs (>= 1)
   uint8_t traffic_class = 0;      // 0-7; control_class is strict priority
+  // The job's training step (JobHints::step_period, ::deadline), in ns; 0:
+  // not periodic. A periodic job's communication phase gets a deadline.
+  uint64_t step_period_ns = 0, deadline_ns = 0;
 };
 
 // Per flow: how long it waited with packets due before it was served.
@@ -108,6 +116,12 @@ class FlowScheduler {
     double vtime = 0, flow_vnow = 0;
     uint32_t weight = 1;
     uint32_t ready = 0, flows = 0;
+    // Periodic jobs (FlowLabel::step_period_ns): the current phase's
+    // deadline, and when a flow of the job last had packets due (a pause
+    // longer than a quarter step starts a new phase).
+    uint64_t step_period_ns = 0, deadline_ns = 0;
+    uint64_t phase_deadline = 0, last_active = 0;
+    bool in_phase = false;
   };
   struct Tenant {
     TenantShare share;
@@ -127,6 +141,7 @@ class FlowScheduler {
   };
 
   Tenant& tenant(const std::string& name, uint64_t now);
+  static bool before(const FlowState& a, const FlowState& b);
   void configure_control(Tenant&, uint64_t now);
   void unready(FlowState&);
 
@@ -137,6 +152,8 @@ class FlowScheduler {
   std::vector<FlowState> flows_;
   std::vector<Flow> free_;
   std::vector<Flow> ready_list_;  // flows with ready set (unordered)
+  static constexpr Flow no_flow = UINT32_MAX;
+  Flow control_grant_ = no_flow;  // the flow next() last granted by control priority
   uint32_t ready_count_ = 0;
 };
 

@@ -2,6 +2,7 @@
 
 #include <sys/stat.h>
 
+#include <charconv>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -33,9 +34,10 @@ constexpr KindName kinds[] = {
 };
 
 Result<uint64_t> number(const std::string& field, const std::string& text, uint64_t max) {
-  if (text.empty() || text.size() > 20 || text.find_first_not_of("0123456789") != std::string::npos)
-    return Status(Errc::invalid_argument, field + "='" + text + "' is not a decimal number");
-  const unsigned long long v = std::stoull(text);
+  uint64_t v = 0;
+  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (text.empty() || error != std::errc() || end != text.data() + text.size())
+    return Status(Errc::invalid_argument, field + "='" + text + "' is not a decimal number below 2^64");
   if (v > max) return Status(Errc::invalid_argument, field + "=" + text + " is above " + std::to_string(max));
   return uint64_t(v);
 }

@@ -1,6 +1,6 @@
 // Tenants as principals (docs/scheduler.md): the tenants file, credential
-// checks, and the job hints' text form. Used by Context::open, the soft and
-// verbs providers and the engine daemon.
+// checks, and the job hints' text form. Used by Context::open and the soft
+// provider (the engine daemon does not read tenants files yet).
 #pragma once
 
 #include <map>

@@ -96,6 +96,34 @@ TEST(Tenants, AContextOpensAsAFileTenantOnlyWithItsCredential) {
   EXPECT_TRUE(seen);
 }
 
+TEST(Tenants, WithAFileOnlyItsTenantsExist) {
+  TenantsFile file(two_tenants);
+  auto ctx = Context::open(with_file(file.path));
+  ASSERT_TRUE(ctx) << ctx.status().to_string();
+  // No unnamed default tenant (no credential, no quotas) and no new tenants.
+  EXPECT_EQ((*ctx)->allocate_pd().status().code(), Errc::permission_denied);
+  EXPECT_EQ((*ctx)->create_tenant("gamma", TenantOptions{}).code(), Errc::permission_denied);
+  TenantOptions right;
+  right.credential = "alpha-secret";
+  ASSERT_TRUE((*ctx)->create_tenant("alpha", right).ok());
+  EXPECT_TRUE((*ctx)->allocate_pd("alpha"));
+}
+
+TEST(Tenants, FileTenantsWithoutAPartitionKeyNeverTakeAListedOne) {
+  // "a" sorts first and has no key; "b" asks for 0x8001, the first key
+  // handed out: b keeps it and a gets another.
+  TenantsFile file(R"({"tenants": [{"name": "a", "credential": "x"}, {"name": "b", "credential": "y", "pkey": 32769}]})");
+  auto ctx = Context::open(with_file(file.path, "a", "x"));
+  ASSERT_TRUE(ctx) << ctx.status().to_string();
+  bool seen = false;
+  for (const TenantCounters& t : (*ctx)->tenant_counters())
+    if (t.tenant == "a") {
+      seen = true;
+      EXPECT_NE(t.pkey, 0x8001);
+    }
+  EXPECT_TRUE(seen);
+}
+
 TEST(Tenants, ABadTenantsFileIsRefusedWithItsReason) {
   struct Case {
     const char* json;
@@ -275,7 +303,8 @@ TEST(Tenants, JobHintsParse) {
   EXPECT_EQ(h->deadline, 80ms);
   EXPECT_EQ(JobHints::parse("checkpoint")->traffic_class(), 1);
   EXPECT_EQ(JobHints::parse("control")->traffic_class(), 7);
-  for (const char* bad : {"kind=gossip", "priority=8", "weight=0", "colour=blue", "step_ms=-1", "priority"})
+  for (const char* bad : {"kind=gossip", "priority=8", "weight=0", "colour=blue", "step_ms=-1", "priority",
+                          "bytes_per_step=99999999999999999999", "weight=", "job=a,priority=1x"})
     EXPECT_EQ(JobHints::parse(bad).status().code(), Errc::invalid_argument) << bad;
 }
 

@@ -46,7 +46,9 @@ int run_doctor(const DoctorArguments& a) {
 int run_config(bool json) {
   nlohmann::json out = nlohmann::json::array();
   for (const stellar::config::Variable& v : stellar::config::variables()) {
-    const auto value = stellar::config::text(v.name);
+    auto value = stellar::config::text(v.name);
+    // A secret is shown as set, never printed (logs and screens keep it).
+    if (value && std::string(v.name) == "STELLAR_TENANT_CREDENTIAL") value = "(set, not shown)";
     if (json) {
       out.push_back({{"name", v.name}, {"value", value ? nlohmann::json(*value) : nlohmann::json()}, {"default", v.default_value},
                      {"unit", v.unit}, {"meaning", v.meaning}, {"read_by", v.reader}});

@@ -297,7 +297,8 @@ class SoftContext final : public Context, public host::HostClient {
     h.daemon_socket = options_.engined_socket;
     h.tx_rate_bytes_per_s = options_.tx_rate_bytes_per_s;
     if (daemon() && options_.tx_rate_bytes_per_s)
-      return Status(Errc::unsupported, "tx_rate_bytes_per_s (STELLAR_TX_RATE): the engine daemon shapes with its own options");
+      return Status(Errc::unsupported, "tx_rate_bytes_per_s (STELLAR_TX_RATE) is applied by the in-process engine host; "
+                                       "the engine daemon has no rate limit yet");
     if (auto error = host_->open(h))
       return Status(error->permission_denied ? Errc::permission_denied
                     : error->invalid_address   ? Errc::invalid_argument
@@ -323,11 +324,16 @@ class SoftContext final : public Context, public host::HostClient {
     if (!options_.tenants_file.empty()) {
       auto listed = tenants::load(options_.tenants_file);
       if (!listed) return listed.status();
-      for (auto& [name, o] : *listed) {
-        if (Status st = add_tenant_locked(name, o); !st.ok()) return Status(st.code(), options_.tenants_file + ": " + st.message());
-        tenants_[name].from_file = true;
-        tenants_[name].opened = false;
-      }
+      // Tenants with a partition key of their own first, so that the keys
+      // handed to the others (from 0x8001 up) never take one of theirs.
+      for (bool explicit_key : {true, false})
+        for (auto& [name, o] : *listed) {
+          if ((o.pkey != 0) != explicit_key) continue;
+          if (Status st = add_tenant_locked(name, o, false); !st.ok())
+            return Status(st.code(), options_.tenants_file + ": " + st.message());
+          tenants_[name].from_file = true;
+          tenants_[name].opened = false;
+        }
     }
     if (options_.tenant.empty()) return Status::success();
     TenantOptions o;
@@ -335,10 +341,9 @@ class SoftContext final : public Context, public host::HostClient {
     return open_tenant_locked(options_.tenant, o);
   }
 
-  // A tenant the file lists: the credential opens it. One it does not: with
-  // a file, only the file's tenants exist for ContextOptions::tenant; through
-  // create_tenant, the caller defines it.
-  Status open_tenant_locked(const std::string& name, const TenantOptions& o, bool define = false) {
+  // A tenant the file lists: the credential opens it. With a file, no other
+  // tenant exists; without one, the caller defines the tenant.
+  Status open_tenant_locked(const std::string& name, const TenantOptions& o) {
     auto it = tenants_.find(name);
     if (it != tenants_.end() && it->second.from_file) {
       Tenant& t = it->second;
@@ -346,18 +351,24 @@ class SoftContext final : public Context, public host::HostClient {
         ++t.credential_refusals;
         return Status(Errc::permission_denied, "tenant '" + name + "': " + (o.credential.empty() ? "no credential given" : "wrong credential"));
       }
+      if (daemon() && (t.options.weight > 1 || t.options.rate_bytes_per_s))
+        return Status(Errc::unsupported, "tenant '" + name + "': its weight and rate limit are applied by the in-process engine "
+                                         "host; the engine daemon does not schedule tenants yet");
       t.opened = true;
       return Status::success();
     }
     if (it != tenants_.end()) return Status(Errc::invalid_argument, "tenant '" + name + "' exists");
-    if (!define && !options_.tenants_file.empty())
+    // With a tenants file, only its tenants exist.
+    if (!options_.tenants_file.empty())
       return Status(Errc::permission_denied, "tenant '" + name + "' is not in the tenants file " + options_.tenants_file);
     return add_tenant_locked(name, o);
   }
 
-  Status add_tenant_locked(const std::string& name, const TenantOptions& o) {
+  // `enforce_placement`: refuse weights and rate limits the placement cannot
+  // apply (the file's tenants are checked when one is opened instead).
+  Status add_tenant_locked(const std::string& name, const TenantOptions& o, bool enforce_placement = true) {
     const bool shares = o.weight > 1 || o.rate_bytes_per_s;
-    if (shares && daemon())
+    if (shares && daemon() && enforce_placement)
       return Status(Errc::unsupported, "tenant '" + name + "': weights and rate limits are applied by the in-process engine host; "
                                        "the engine daemon shares its capacity per application, not per tenant yet");
     if (o.weight == 0) return Status(Errc::invalid_argument, "tenant '" + name + "': weight 0 (weights are at least 1)");
@@ -378,15 +389,14 @@ class SoftContext final : public Context, public host::HostClient {
     t.pkey = pkey;
     t.options = o;
     t.options.pkey = pkey;
-    if (!daemon())
-      host_->set_tenant_share_locked(name, host::TenantShare{std::max<uint32_t>(o.weight, 1), o.rate_bytes_per_s, o.burst_bytes});
+    host_->set_tenant_share_locked(name, host::TenantShare{std::max<uint32_t>(o.weight, 1), o.rate_bytes_per_s, o.burst_bytes});
     return {};
   }
 
   Status create_tenant(const std::string& name, const TenantOptions& o) override {
     std::lock_guard lock(mutex_);
     if (name.empty()) return Status(Errc::invalid_argument, "a tenant needs a name");
-    return open_tenant_locked(name, o, true);
+    return open_tenant_locked(name, o);
   }
 
   // A quota refusal, counted against the tenant.
@@ -530,7 +540,8 @@ Result<std::unique_ptr<MemoryRegion>> SoftPd::register_memory(void* addr, size_t
   {
     std::lock_guard lock(context_->mutex_);
     Tenant& t = context_->tenants_.at(tenant_);
-    if (t.options.max_registered_bytes && t.registered_bytes + length > t.options.max_registered_bytes)
+    if (t.options.max_registered_bytes &&
+        (length > t.options.max_registered_bytes || t.registered_bytes > t.options.max_registered_bytes - length))
       return SoftContext::over_quota(t, "registering " + std::to_string(length) + " bytes would pass its quota of " +
                                             std::to_string(t.options.max_registered_bytes) + " (" +
                                             std::to_string(t.registered_bytes) + " registered)");
@@ -687,7 +698,8 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
         std::string error;
         // The flow scheduler's label and the class's DSCP (docs/scheduler.md).
         host::QpBinding binding{pd_->id(), access_};
-        binding.label = host::FlowLabel{pd_->tenant(), hints_.job, hints_.weight, hints_.traffic_class()};
+        binding.label = host::FlowLabel{pd_->tenant(), hints_.job, hints_.weight, hints_.traffic_class(),
+                                        uint64_t(hints_.step_period.count()), uint64_t(hints_.deadline.count())};
         binding.dscp = c.options_.class_dscp[hints_.traffic_class()];
         engine_ = c.host_->attach_locked(e, peer_, binding, *this, *this, error);
         if (!engine_) return Status(Errc::io_error, "QP " + std::to_string(qpn_) + ": " + error);
@@ -1112,6 +1124,11 @@ Result<std::shared_ptr<ProtectionDomain>> SoftContext::allocate_pd(const std::st
   std::lock_guard lock(mutex_);
   // "": the tenant this context opened as.
   const std::string& tenant = name.empty() ? options_.tenant : name;
+  // With a tenants file, the unnamed default tenant (no credential, no
+  // quotas) is not available: open as one of the file's.
+  if (tenant.empty() && !options_.tenants_file.empty())
+    return Status(Errc::permission_denied, "with a tenants file (" + options_.tenants_file +
+                                               "), open the context as one of its tenants (ContextOptions::tenant, STELLAR_TENANT)");
   auto it = tenants_.find(tenant);
   if (it == tenants_.end()) return Status(Errc::not_found, "no tenant named '" + tenant + "'");
   if (!it->second.opened) {

@@ -788,6 +788,11 @@ Result<std::shared_ptr<Context>> open_verbs(const ContextOptions& options) {
     ~ListGuard() { ibv_free_device_list(list); }
   } guard{list};
 
+  // Tenants as principals (a tenants file, a context's tenant and
+  // credential) are the soft provider's; refusing beats ignoring them.
+  if (!options.tenants_file.empty() || !options.tenant.empty())
+    return Status(Errc::unsupported, "verbs provider: tenants files and ContextOptions::tenant (STELLAR_TENANTS, STELLAR_TENANT) "
+                                     "are the soft provider's; create tenants with create_tenant (partition keys)");
   auto tc = config::integer("STELLAR_VERBS_TC", 0, 255);
   if (!tc) return tc.status();
   const uint8_t traffic_class = uint8_t(tc->value_or(0));
