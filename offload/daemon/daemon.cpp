@@ -698,7 +698,14 @@ Reply Session::attach(const AttachRequest& r) {
   qp->max_recv_wr = config.max_recv_wr;
   qp->key = key;
   std::string unused;
-  qp->engine = host_.attach_locked(config, peer, QpBinding{r.pd, r.access}, *qp, *qp, unused);  // never fails in-process
+  if (r.traffic_class > 7 || r.dscp > 63) return reply(false, "attach: traffic class outside [0, 7] or DSCP outside [0, 63]");
+  // The context's control-class QPs go first in its engine host, and its
+  // packets carry their class's DSCP (docs/scheduler.md). Tenants and jobs
+  // are not carried: the context's QPs share its host equally.
+  QpBinding binding{r.pd, r.access};
+  binding.label.traffic_class = r.traffic_class;
+  binding.dscp = r.dscp;
+  qp->engine = host_.attach_locked(config, peer, binding, *qp, *qp, unused);  // never fails in-process
   engine_keys_.insert(key);
   completion_budget_ += uint64_t(config.max_send_wr) + config.max_recv_wr;
   ++stats_.engines;

@@ -36,7 +36,7 @@
 namespace stellar::host::daemon {
 
 inline constexpr uint32_t protocol_magic = 0x53544c44;  // "STLD"
-inline constexpr uint32_t protocol_version = 4;  // 3: paths (multipath); 4: address-change counters
+inline constexpr uint32_t protocol_version = 5;  // 3: paths (multipath); 4: address-change counters; 5: traffic class
 inline constexpr size_t max_message_bytes = 4096;
 inline constexpr int max_message_fds = 2;  // the open's: shared area memfd, the daemon's end of the bell pair
 
@@ -108,7 +108,10 @@ struct AttachRequest {
   uint16_t paths = 1;         // EngineConfig::paths, 1-256
   uint32_t pd = 0, access = 0;
   uint8_t path_policy = 0;    // offload::PathPolicy
-  uint8_t pad3[7] = {};
+  // The QP's traffic class (0-7) and its DSCP (0-63, docs/scheduler.md):
+  // the class orders its packets among the context's QPs, the DSCP marks them.
+  uint8_t traffic_class = 0, dscp = 0;
+  uint8_t pad3[5] = {};
 };
 static_assert(sizeof(AttachRequest) == 120);
 

@@ -244,6 +244,8 @@ Host::Engine* RemoteHost::attach_locked(const off::EngineConfig& config, const s
   r.peer_port = peer.sin_port;
   r.pd = binding.pd;
   r.access = binding.access;
+  r.traffic_class = binding.label.traffic_class;
+  r.dscp = binding.dscp;
   Reply reply;
   if (!call_locked(&r, sizeof r, reply, error)) return nullptr;
   auto e = std::make_unique<Engine>();

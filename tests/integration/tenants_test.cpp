@@ -430,3 +430,21 @@ TEST(Tenants, TheSchedulerSharesItsRateByTenantWeight) {
   EXPECT_LE(double(sent), 40e6 * elapsed * 1.05 + 2e6);
   EXPECT_GT(double(sent), 40e6 * elapsed * 0.5);  // and it was the limit
 }
+
+TEST(Tenants, WeightsAndRateLimitsNeedTheInProcessEngineHost) {
+  // Run in both placements (ctest tenants_in_daemon runs it under the daemon).
+  auto ctx = Context::open({}).value();
+  TenantOptions weighted;
+  weighted.weight = 2;
+  TenantOptions limited;
+  limited.rate_bytes_per_s = 1'000'000;
+  TenantOptions quotas_only;
+  quotas_only.max_qps = 1;
+  const bool daemon = ctx->options().progress == ProgressMode::daemon;
+  EXPECT_EQ(ctx->create_tenant("weighted", weighted).code(), daemon ? Errc::unsupported : Errc::ok);
+  EXPECT_EQ(ctx->create_tenant("limited", limited).code(), daemon ? Errc::unsupported : Errc::ok);
+  EXPECT_TRUE(ctx->create_tenant("quotas", quotas_only).ok());  // checked on the application side everywhere
+  ContextOptions rate;
+  rate.tx_rate_bytes_per_s = 1'000'000;
+  EXPECT_EQ(Context::open(rate).status().code(), daemon ? Errc::unsupported : Errc::ok);
+}
