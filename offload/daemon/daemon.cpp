@@ -702,7 +702,9 @@ Reply Session::attach(const AttachRequest& r) {
   // The context's control-class QPs go first in its engine host, and its
   // packets carry their class's DSCP (docs/scheduler.md). Tenants and jobs
   // are not carried: the context's QPs share its host equally.
-  QpBinding binding{r.pd, r.access};
+  QpBinding binding;
+  binding.pd = r.pd;
+  binding.access = r.access;
   binding.label.traffic_class = r.traffic_class;
   binding.dscp = r.dscp;
   qp->engine = host_.attach_locked(config, peer, binding, *qp, *qp, unused);  // never fails in-process

@@ -77,18 +77,19 @@ FlowScheduler::Flow FlowScheduler::add(const FlowLabel& label, uint64_t now) {
   return f;
 }
 
-void FlowScheduler::unready(FlowState& s) {
+void FlowScheduler::unready(FlowState& s, uint64_t now) {
   if (!s.ready) return;
   s.ready = false;
+  s.idle_since = now;
   --ready_count_;
-  --s.job->ready;
-  --s.tenant->ready;
+  if (--s.job->ready == 0) s.job->idle_since = now;
+  if (--s.tenant->ready == 0) s.tenant->idle_since = now;
 }
 
 void FlowScheduler::remove(Flow f) {
   FlowState& s = flows_[f];
   if (!s.used) return;
-  unready(s);
+  unready(s, 0);
   ready_list_.erase(std::remove(ready_list_.begin(), ready_list_.end(), f), ready_list_.end());
   if (--s.job->flows == 0) s.tenant->jobs.erase(s.label.job);
   // A tenant's share (weight, rate) stays configured; only its flows go.
@@ -103,8 +104,8 @@ void FlowScheduler::ready(Flow f, uint64_t now) {
   // Start-time fair queueing: a level that was idle starts at the current
   // virtual time of its parent, so it neither lost its place nor saved up
   // credit while it had nothing to send.
-  if (s.tenant->ready == 0) s.tenant->vtime = std::max(s.tenant->vtime, tenant_vnow_);
-  if (s.job->ready == 0) s.job->vtime = std::max(s.job->vtime, s.tenant->job_vnow);
+  if (s.tenant->ready == 0 && idle_long(s.tenant->idle_since, now)) s.tenant->vtime = std::max(s.tenant->vtime, tenant_vnow_);
+  if (s.job->ready == 0 && idle_long(s.job->idle_since, now)) s.job->vtime = std::max(s.job->vtime, s.tenant->job_vnow);
   Job& job = *s.job;
   if (job.step_period_ns) {
     // A new communication phase once the job has been quiet for a quarter
@@ -116,7 +117,7 @@ void FlowScheduler::ready(Flow f, uint64_t now) {
     }
     job.last_active = now;
   }
-  s.vtime = std::max(s.vtime, s.job->flow_vnow);
+  if (idle_long(s.idle_since, now)) s.vtime = std::max(s.vtime, s.job->flow_vnow);
   s.ready = true;
   s.ready_since = now;
   ++ready_count_;
@@ -222,7 +223,7 @@ void FlowScheduler::served(Flow f, uint64_t bytes, bool still_ready, uint64_t no
   if (still_ready && bytes > 0) {
     s.ready_since = now;
   } else if (s.ready) {
-    unready(s);
+    unready(s, now);
     auto it = std::find(ready_list_.begin(), ready_list_.end(), f);
     if (it != ready_list_.end()) ready_list_.erase(it);
   }

@@ -68,6 +68,11 @@ class FlowScheduler {
   static constexpr uint64_t quantum_bytes = 64 * 1024;
   static constexpr double control_rate_fraction = 0.05;
   static constexpr uint64_t min_control_rate = 10'000'000;  // bytes/s, when the link has no rate
+  // A flow, job or tenant that had nothing due for less than this keeps its
+  // virtual time (its place) when it has again: a window-limited flow
+  // flutters between due and not due every round trip, and restarting it at
+  // the current virtual time each time would cost it its share.
+  static constexpr uint64_t idle_grace_ns = 1'000'000;
 
   // The host's link rate; 0: none (the engines' congestion control and the
   // socket are the only limits).
@@ -114,6 +119,7 @@ class FlowScheduler {
   };
   struct Job {
     double vtime = 0, flow_vnow = 0;
+    uint64_t idle_since = 0;  // when its last flow stopped being ready (0: never active)
     uint32_t weight = 1;
     uint32_t ready = 0, flows = 0;
     // Periodic jobs (FlowLabel::step_period_ns): the current phase's
@@ -127,6 +133,7 @@ class FlowScheduler {
     TenantShare share;
     Bucket bucket, control;
     double vtime = 0, job_vnow = 0;
+    uint64_t idle_since = 0;
     uint32_t ready = 0, flows = 0;
     std::unordered_map<std::string, Job> jobs;
   };
@@ -136,14 +143,15 @@ class FlowScheduler {
     Tenant* tenant = nullptr;
     Job* job = nullptr;
     double vtime = 0;
-    uint64_t ready_since = 0;
+    uint64_t ready_since = 0, idle_since = 0;
     FlowWaits waits;
   };
 
   Tenant& tenant(const std::string& name, uint64_t now);
   static bool before(const FlowState& a, const FlowState& b);
   void configure_control(Tenant&, uint64_t now);
-  void unready(FlowState&);
+  void unready(FlowState&, uint64_t now);
+  static bool idle_long(uint64_t idle_since, uint64_t now) { return idle_since == 0 || now > idle_since + idle_grace_ns; }
 
   Bucket link_;
   uint64_t link_rate_ = 0;

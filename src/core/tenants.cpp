@@ -1,9 +1,10 @@
 #include "core/tenants.hpp"
 
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <charconv>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
@@ -125,13 +126,28 @@ bool credential_matches(const std::string& given, const std::string& expected) {
 }
 
 Result<std::map<std::string, TenantOptions>> load(const std::string& path) {
+  // Opened without blocking and checked on the descriptor: a FIFO or device
+  // named by mistake (or malice) must not hang Context::open.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) return Status(Errc::invalid_argument, "tenants file " + path + ": cannot be opened");
   struct stat st {};
-  if (::stat(path.c_str(), &st) != 0) return Status(Errc::invalid_argument, "tenants file " + path + ": cannot be read");
+  std::string text;
+  const bool regular = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
+  if (regular && st.st_size <= (1 << 20)) {
+    text.resize(size_t(st.st_size));
+    size_t got = 0;
+    while (got < text.size()) {
+      const ssize_t n = ::read(fd, text.data() + got, text.size() - got);
+      if (n <= 0) break;
+      got += size_t(n);
+    }
+    text.resize(got);
+  }
+  ::close(fd);
+  if (!regular) return Status(Errc::invalid_argument, "tenants file " + path + ": not a regular file");
   if (st.st_size > (1 << 20)) return Status(Errc::invalid_argument, "tenants file " + path + ": larger than 1 MiB");
-  std::ifstream in(path);
-  if (!in) return Status(Errc::invalid_argument, "tenants file " + path + ": cannot be opened");
   using nlohmann::json;
-  json doc = json::parse(in, nullptr, false);
+  json doc = json::parse(text, nullptr, false);
   if (doc.is_discarded()) return Status(Errc::invalid_argument, "tenants file " + path + ": not valid JSON");
   auto bad = [&](const std::string& what) { return Status(Errc::invalid_argument, "tenants file " + path + ": " + what); };
   if (!doc.is_object() || !doc.contains("tenants") || !doc["tenants"].is_array() || doc.size() != 1)

@@ -7,6 +7,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -145,6 +146,20 @@ TEST(Tenants, ABadTenantsFileIsRefusedWithItsReason) {
   }
   auto absent = Context::open(with_file("/nonexistent/tenants.json"));
   EXPECT_FALSE(absent);
+  // A FIFO (nobody writing) or a directory is refused at once, not waited on.
+  char dir[] = "/tmp/stellar-tenants-dir-XXXXXX";
+  ASSERT_NE(::mkdtemp(dir), nullptr);
+  const std::string fifo = std::string(dir) + "/fifo";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  EXPECT_EQ(Context::open(with_file(fifo)).status().code(), Errc::invalid_argument);
+  EXPECT_EQ(Context::open(with_file(dir)).status().code(), Errc::invalid_argument);
+  std::remove(fifo.c_str());
+  ::rmdir(dir);
+  // Larger than 1 MiB.
+  TenantsFile big(std::string(2 << 20, ' ') + two_tenants);
+  auto too_big = Context::open(with_file(big.path));
+  ASSERT_FALSE(too_big);
+  EXPECT_NE(too_big.status().message().find("1 MiB"), std::string::npos);
 }
 
 TEST(Tenants, QuotasRefuseWithResourceExhaustedAndFreeAgain) {
@@ -375,10 +390,15 @@ bool pump(Stream& s, uint32_t depth) {
 }  // namespace
 
 TEST(Tenants, TheSchedulerSharesItsRateByTenantWeight) {
-  // A's transmissions are shaped to 40 MB/s: the scheduler's rate, not the
-  // CPU or loopback, is the limit, so each tenant's share is its weight's.
+  // A's transmissions are shaped to 12 MB/s: the scheduler's rate, not the
+  // CPU or loopback, is the limit (a sanitizer build moves ~30 MB/s here), so
+  // each tenant's share is its weight's.
+  constexpr double rate = 12e6;
   ContextOptions oa;
-  oa.tx_rate_bytes_per_s = 40'000'000;
+  oa.tx_rate_bytes_per_s = uint64_t(rate);
+  // Congestion control off: the streams stay backlogged at the scheduler
+  // (a window-limited flow is not, and would not claim its share).
+  oa.congestion_control = CongestionControl::none;
   oa.progress = ProgressMode::thread;
   oa.wait = WaitPolicy::adaptive;
   ContextOptions ob;
@@ -398,37 +418,40 @@ TEST(Tenants, TheSchedulerSharesItsRateByTenantWeight) {
     ASSERT_TRUE(b->create_tenant(tenants[i].first, t).ok());
     connect_stream(*a, *b, tenants[i].first, streams[i], JobHints{"train", TrafficKind::gradient_allreduce});
   }
+  // What each tenant has sent (the engines' own count: no completion lag).
+  auto sent_by = [&] {
+    std::map<std::string, double> m;
+    for (const TenantCounters& t : a->tenant_counters())
+      for (const TrafficCounters& c : t.traffic) m[t.tenant] += double(c.tx_bytes);
+    return m;
+  };
   const auto start = std::chrono::steady_clock::now();
-  // 1.5 s at 40 MB/s: ~60 MB, shares measured on the last second.
-  uint64_t at_one_second[2] = {};
+  std::map<std::string, double> at_half;
   bool marked = false;
-  while (std::chrono::steady_clock::now() - start < 1500ms) {
-    for (Stream& s : streams) ASSERT_TRUE(pump(s, 8));
+  while (std::chrono::steady_clock::now() - start < 2000ms) {
+    for (Stream& s : streams) ASSERT_TRUE(pump(s, 16));
     if (!marked && std::chrono::steady_clock::now() - start >= 500ms) {
-      for (int i = 0; i < 2; ++i) at_one_second[i] = streams[i].completed_bytes;
+      at_half = sent_by();  // shares measured over the last 1.5 s, both backlogged
       marked = true;
     }
-    std::this_thread::sleep_for(100us);
+    std::this_thread::sleep_for(200us);
   }
+  const auto end = sent_by();
   const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  const double one = double(streams[0].completed_bytes - at_one_second[0]);
-  const double three = double(streams[1].completed_bytes - at_one_second[1]);
+  const double one = end.at("one") - at_half["one"], three = end.at("three") - at_half["three"];
   ASSERT_GT(one, 0);
-  // Weighted 3:1 (completions lag the wire by at most the outstanding WRs).
-  EXPECT_NEAR(three / one, 3.0, 0.45) << "one " << one << " three " << three;
-  // And shaped: what A sent never beats its rate (plus a burst).
-  uint64_t sent = 0;
+  std::printf("shares over 1.5 s: one %.0f B, three %.0f B, ratio %.2f (want 3)\n", one, three, three / one);
+  EXPECT_NEAR(three / one, 3.0, 0.3) << "one " << one << " three " << three;
+  // Shaped: A never beats its rate (plus the initial burst), and the rate was the limit.
+  const double total = end.at("one") + end.at("three");
+  EXPECT_LE(total, rate * elapsed * 1.05 + 1e6);
+  EXPECT_GT(total, rate * elapsed * 0.6);
   for (const TenantCounters& t : a->tenant_counters())
     for (const TrafficCounters& c : t.traffic) {
-      sent += c.tx_bytes;
-      if (t.tenant == "one" || t.tenant == "three") {
-        EXPECT_EQ(c.job, "train");
-        EXPECT_EQ(c.traffic_class, 4);
-        EXPECT_GT(c.scheduler_grants, 0u);
-      }
+      EXPECT_EQ(c.job, "train");
+      EXPECT_EQ(c.traffic_class, 4);
+      EXPECT_GT(c.scheduler_grants, 0u);
     }
-  EXPECT_LE(double(sent), 40e6 * elapsed * 1.05 + 2e6);
-  EXPECT_GT(double(sent), 40e6 * elapsed * 0.5);  // and it was the limit
 }
 
 TEST(Tenants, WeightsAndRateLimitsNeedTheInProcessEngineHost) {

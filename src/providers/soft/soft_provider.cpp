@@ -697,7 +697,9 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
         // The host fills in the ICRC addresses and dispatches (pkey, qpn) from peer_ to the engine.
         std::string error;
         // The flow scheduler's label and the class's DSCP (docs/scheduler.md).
-        host::QpBinding binding{pd_->id(), access_};
+        host::QpBinding binding;
+        binding.pd = pd_->id();
+        binding.access = access_;
         binding.label = host::FlowLabel{pd_->tenant(), hints_.job, hints_.weight, hints_.traffic_class(),
                                         uint64_t(hints_.step_period.count()), uint64_t(hints_.deadline.count())};
         binding.dscp = c.options_.class_dscp[hints_.traffic_class()];

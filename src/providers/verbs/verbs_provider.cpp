@@ -242,7 +242,12 @@ class VerbsContext final : public Context {
   std::vector<TenantCounters> tenant_counters() const override {
     std::lock_guard lock(const_cast<std::mutex&>(mutex_));
     std::vector<TenantCounters> out;
-    for (auto& [name, p] : tenants_) out.push_back(TenantCounters{name, p.pkey});
+    for (auto& [name, p] : tenants_) {
+      TenantCounters c;
+      c.tenant = name;
+      c.pkey = p.pkey;
+      out.push_back(std::move(c));
+    }
     return out;
   }
   const ContextOptions& options() const override { return options_; }
