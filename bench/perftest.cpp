@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "cpu_accounting.hpp"
+#include "tenant_line.hpp"
 #include "stellar/stellar.hpp"
 
 #ifndef STELLAR_PERFTEST_OP
@@ -517,6 +518,7 @@ int main(int argc, char** argv) {
     std::printf("---------------------------------------------------------------------------------------\n");
     std::printf("                    %s %s Test (Stellar)\n provider: %s  mode: %s  QPs: %u  MTU: %u\n", op_name(),
                 bandwidth_test ? "BW" : "Latency", o.provider.c_str(), o.mode.c_str(), o.qps, o.mtu);
+    accounting::print_tenant_line(side.ctx->options());
     std::printf("---------------------------------------------------------------------------------------\n");
     if (bandwidth_test)
       std::printf(" #bytes     #iterations    BW peak[%s]    BW average[%s]   MsgRate[Mpps]\n", o.report_gbits ? "Gb/sec" : "MiB/sec",

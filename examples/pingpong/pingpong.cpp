@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "cpu_accounting.hpp"
+#include "tenant_line.hpp"
 #include "stellar/stellar.hpp"
 
 using namespace stellar;
@@ -225,6 +226,7 @@ int main(int argc, char** argv) {
   if (!is_server) {
     std::printf("---------------------------------------------------------------------------------------\n");
     std::printf(" RDMA_Write Latency Test (stellar_pingpong)  provider: %s  mode: %s  MTU: %u\n", o.provider.c_str(), o.mode.c_str(), o.mtu);
+    accounting::print_tenant_line(context->options());
     std::printf("---------------------------------------------------------------------------------------\n");
     std::printf(" #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    t_avg[usec]    t_stdev[usec]   99%% percentile[usec]   99.9%% percentile[usec]\n");
   }

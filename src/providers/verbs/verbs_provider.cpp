@@ -795,6 +795,9 @@ Result<std::shared_ptr<Context>> open_verbs(const ContextOptions& options) {
 
   // Tenants as principals (a tenants file, a context's tenant and
   // credential) are the soft provider's; refusing beats ignoring them.
+  if (options.tx_rate_bytes_per_s)
+    return Status(Errc::unsupported, "verbs provider: tx_rate_bytes_per_s (STELLAR_TX_RATE) is the soft provider's flow scheduler; "
+                                     "the NIC's rate limits are configured outside Stellar");
   if (!options.tenants_file.empty() || !options.tenant.empty())
     return Status(Errc::unsupported, "verbs provider: tenants files and ContextOptions::tenant (STELLAR_TENANTS, STELLAR_TENANT) "
                                      "are the soft provider's; create tenants with create_tenant (partition keys)");
