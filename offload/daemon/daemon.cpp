@@ -21,11 +21,13 @@
 #include <cstdio>
 #include <cstring>
 #include <deque>
+#include <map>
 #include <unordered_map>
 #include <unordered_set>
 
 #include "host/daemon_protocol.hpp"
 #include "host/engine_host.hpp"
+#include "host/tenants_file.hpp"
 
 namespace stellar::engined {
 
@@ -138,6 +140,24 @@ struct Stats {
   std::atomic<uint32_t> sessions{0}, engines{0};
 };
 
+// The daemon's tenants (--tenants FILE, docs/scheduler.md "In the engine
+// daemon"): who may open contexts, with which credential, and what all of a
+// tenant's contexts hold together against its quotas. Without a file
+// `enabled` is false: any allowed user's context is served, its tenant name
+// only a label. Touched by the control thread only (opens, requests and
+// teardowns all happen there).
+struct TenantBook {
+  struct Usage {
+    host::TenantEntry entry;
+    unsigned sessions = 0;
+    int shard = -1;  // the shard its contexts run on (all on one: its weight and rate limit hold there)
+    uint64_t qps = 0, registered_bytes = 0, send_wrs = 0, receive_wrs = 0;
+    uint64_t quota_refusals = 0, credential_refusals = 0;
+  };
+  bool enabled = false;
+  std::map<std::string, Usage> tenants;
+};
+
 // ---------------------------------------------------------------------------
 // A session: one application context.
 
@@ -201,8 +221,8 @@ class Session final : public HostClient {
     }
   };
 
-  Session(int socket, ucred credentials, int pidfd, const DaemonOptions& options, Stats& stats)
-      : socket_(socket), credentials_(credentials), pidfd_(pidfd), options_(options), stats_(stats), host_(mutex_, *this) {
+  Session(int socket, ucred credentials, int pidfd, const DaemonOptions& options, Stats& stats, TenantBook& book)
+      : socket_(socket), credentials_(credentials), pidfd_(pidfd), options_(options), stats_(stats), book_(book), host_(mutex_, *this) {
     ++stats_.sessions;
   }
   ~Session() override {
@@ -255,13 +275,29 @@ class Session final : public HostClient {
     std::lock_guard lock(mutex_);
     for (auto& [handle, qp] : qps_) {
       host_.detach_locked(qp->engine);
+      release_quota(*qp);
       --stats_.engines;
     }
     qps_.clear();
     engine_keys_.clear();
     if (mem_fd_ >= 0) ::close(mem_fd_);
     mem_fd_ = -1;
+    // What it held against its tenant's quotas is free again.
+    if (usage_) {
+      for (auto& [lkey, m] : mrs_) usage_->registered_bytes -= m.length;
+      mrs_.clear();
+      rkey_to_lkey_.clear();
+      if (--usage_->sessions == 0) usage_->shard = -1;
+      usage_ = nullptr;
+    }
   }
+
+  // The tenant it opened as (authenticated when the daemon has a tenants
+  // file), and the shard serving it (-1 before placement).
+  const std::string& tenant() const { return tenant_; }
+  TenantBook::Usage* tenant_usage() const { return usage_; }
+  int shard() const { return shard_; }
+  void set_shard(int shard) { shard_ = shard; }
 
   // ---- under the mutex ----
   // HostClient: the submission ring is the session's input besides the socket.
@@ -322,6 +358,14 @@ class Session final : public HostClient {
   Reply open_locked(const OpenRequest&, std::vector<int>& fds);
   Reply register_memory(const RegisterRequest&);
   Reply attach(const AttachRequest&);
+  // A refusal for the tenant's quota (the client reports resource_exhausted).
+  Reply over_quota(const char* what, uint64_t have, uint64_t asked, uint64_t quota) {
+    ++usage_->quota_refusals;
+    Reply r = reply(false, "tenant '%s': %s: %llu held + %llu asked would pass its quota of %llu (the daemon's tenants file)",
+                    tenant_.c_str(), what, (unsigned long long)have, (unsigned long long)asked, (unsigned long long)quota);
+    r.denied = refused_quota;
+    return r;
+  }
   bool reach_memory_locked(std::string& error);
 
   void push_completion(const CompletionEntry& e) {
@@ -354,6 +398,12 @@ class Session final : public HostClient {
     while (!overflow_.empty() && push_ring(overflow_.front())) overflow_.pop_front();
   }
 
+  void release_quota(const Qp& qp) {
+    if (!usage_) return;
+    --usage_->qps;
+    usage_->send_wrs -= qp.max_send_wr;
+    usage_->receive_wrs -= qp.max_recv_wr;
+  }
   void refuse_entry(const char* why) {
     if (refused_++ < 8) say("client pid %d: ring entry refused: %s", int(credentials_.pid), why);
   }
@@ -376,6 +426,10 @@ class Session final : public HostClient {
   int pidfd_;  // the client process, or -1 (no pidfds here)
   const DaemonOptions& options_;
   Stats& stats_;
+  TenantBook& book_;
+  std::string tenant_;
+  TenantBook::Usage* usage_ = nullptr;  // with a tenants file: its tenant's
+  int shard_ = -1;
   std::mutex mutex_;
   EngineHost host_;
   void* area_memory_ = nullptr;
@@ -573,6 +627,28 @@ Reply Session::open_locked(const OpenRequest& r, std::vector<int>& fds) {
   if (r.paths < 1 || r.paths > off::max_paths) return refuse("paths outside [1, 256]");
   for (double p : {r.drop, r.duplicate, r.reorder})
     if (!(p >= 0 && p <= 1)) return refuse("fault probabilities must be in [0, 1]");
+  if (!std::memchr(r.tenant, 0, sizeof r.tenant) || !std::memchr(r.credential, 0, sizeof r.credential))
+    return refuse("tenant or credential not NUL-terminated");
+  const std::string tenant(r.tenant), credential(r.credential);
+  TenantBook::Usage* usage = nullptr;
+  if (book_.enabled) {
+    // Only the file's tenants, each with its credential. The same answer
+    // for an unknown tenant and a wrong credential: a guesser learns nothing.
+    auto it = book_.tenants.find(tenant);
+    const bool listed = it != book_.tenants.end();
+    const bool matches = host::credential_matches(credential, listed ? it->second.entry.credential : std::string("-"));
+    if (!listed || !matches) {
+      if (listed) ++it->second.credential_refusals;
+      close_all(fds);
+      Reply no = reply(false, "open: tenant '%s' is not one of the daemon's tenants, or its credential is wrong or missing",
+                       tenant.c_str());
+      no.denied = refused_tenant;
+      say("client pid %d uid %d: refused as tenant '%s' (unknown, or wrong credential)", int(credentials_.pid),
+          int(credentials_.uid), tenant.c_str());
+      return no;
+    }
+    usage = &it->second;
+  }
 
   void* memory = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[0], 0);
   if (memory == MAP_FAILED) return refuse("cannot map the shared area");
@@ -589,6 +665,11 @@ Reply Session::open_locked(const OpenRequest& r, std::vector<int>& fds) {
     return reply(false, "open: %s", error->message.c_str());
   }
   ::close(fds[0]);  // the mapping keeps the area
+  tenant_ = tenant;
+  if (usage) {
+    usage_ = usage;
+    ++usage_->sessions;
+  }
   area_memory_ = memory;
   area_bytes_ = bytes;
   area_ = static_cast<SharedArea*>(memory);
@@ -610,8 +691,8 @@ Reply Session::open_locked(const OpenRequest& r, std::vector<int>& fds) {
   ok.gso = host_.gso();
   ok.gro = host_.gro();
   ok.daemon_pid = uint32_t(getpid());
-  say("client pid %d uid %d: context on %s:%u (%s mode)", int(credentials_.pid), int(credentials_.uid), address,
-      unsigned(ntohs(ok.local_port)), r.mode ? "roce" : "stellar");
+  say("client pid %d uid %d: context on %s:%u (%s mode)%s%s", int(credentials_.pid), int(credentials_.uid), address,
+      unsigned(ntohs(ok.local_port)), r.mode ? "roce" : "stellar", tenant_.empty() ? "" : ", tenant ", tenant_.c_str());
   return ok;
 }
 
@@ -654,6 +735,8 @@ Reply Session::register_memory(const RegisterRequest& r) {
   if (r.length > (uint64_t(1) << 47) || r.address + r.length < r.address) return refuse("range wraps or is too large");
   if (mrs_.size() >= options_.max_regions_per_client)
     return reply(false, "register_memory: this context has %zu regions, the daemon's limit (--max-regions)", mrs_.size());
+  if (usage_ && usage_->entry.max_registered_bytes && r.length > usage_->entry.max_registered_bytes - std::min(usage_->registered_bytes, usage_->entry.max_registered_bytes))
+    return over_quota("registered bytes", usage_->registered_bytes, r.length, usage_->entry.max_registered_bytes);
   std::string error;
   if (!reach_memory_locked(error)) return reply(false, "register_memory: %s", error.c_str());
   if (r.length) {
@@ -672,6 +755,7 @@ Reply Session::register_memory(const RegisterRequest& r) {
   m.length = r.length;
   mrs_[m.lkey] = m;
   rkey_to_lkey_[m.rkey] = m.lkey;
+  if (usage_) usage_->registered_bytes += m.length;
   return reply(true);
 }
 
@@ -699,17 +783,39 @@ Reply Session::attach(const AttachRequest& r) {
   qp->key = key;
   std::string unused;
   if (r.traffic_class > 7 || r.dscp > 63) return reply(false, "attach: traffic class outside [0, 7] or DSCP outside [0, 63]");
-  // The context's control-class QPs go first in its engine host, and its
-  // packets carry their class's DSCP (docs/scheduler.md). Tenants and jobs
-  // are not carried: the context's QPs share its host equally.
+  if (!std::memchr(r.job, 0, sizeof r.job)) return reply(false, "attach: job name not NUL-terminated");
+  constexpr uint64_t hour_ns = 3600ull * 1'000'000'000;
+  if (r.job_weight < 1 || r.job_weight > 1'000'000 || r.step_period_ns > hour_ns || r.deadline_ns > hour_ns)
+    return reply(false, "attach: job weight outside [1, 1000000], or step period or deadline over an hour");
+  if (usage_) {
+    const host::TenantEntry& q = usage_->entry;
+    if (q.max_qps && usage_->qps + 1 > q.max_qps) return over_quota("QPs", usage_->qps, 1, q.max_qps);
+    if (q.max_send_wrs && usage_->send_wrs + config.max_send_wr > q.max_send_wrs)
+      return over_quota("send queue entries", usage_->send_wrs, config.max_send_wr, q.max_send_wrs);
+    if (q.max_receive_wrs && usage_->receive_wrs + config.max_recv_wr > q.max_receive_wrs)
+      return over_quota("receive queue entries", usage_->receive_wrs, config.max_recv_wr, q.max_receive_wrs);
+  }
+  // Its packets leave in the shard's scheduler order, as the tenant's
+  // (the one the context opened as), the job's and the class's, and carry
+  // the class's DSCP (docs/scheduler.md).
   QpBinding binding;
   binding.pd = r.pd;
   binding.access = r.access;
+  binding.label.tenant = tenant_;
+  binding.label.job = r.job;
+  binding.label.job_weight = r.job_weight;
   binding.label.traffic_class = r.traffic_class;
+  binding.label.step_period_ns = r.step_period_ns;
+  binding.label.deadline_ns = r.deadline_ns;
   binding.dscp = r.dscp;
   qp->engine = host_.attach_locked(config, peer, binding, *qp, *qp, unused);  // never fails in-process
   engine_keys_.insert(key);
   completion_budget_ += uint64_t(config.max_send_wr) + config.max_recv_wr;
+  if (usage_) {
+    ++usage_->qps;
+    usage_->send_wrs += config.max_send_wr;
+    usage_->receive_wrs += config.max_recv_wr;
+  }
   ++stats_.engines;
   Reply ok = reply(true);
   ok.handle = qp->handle;
@@ -788,6 +894,7 @@ Reply Session::respond_locked(MessageType type, const uint8_t* message, size_t l
         break;
       }
       rkey_to_lkey_.erase(it->second.rkey);
+      if (usage_) usage_->registered_bytes -= it->second.length;
       mrs_.erase(it);
       ++generation_;  // engines re-check posted segments before touching them
       out = reply(true);
@@ -818,6 +925,7 @@ Reply Session::respond_locked(MessageType type, const uint8_t* message, size_t l
       host_.detach_locked(it->second->engine);
       engine_keys_.erase(it->second->key);
       completion_budget_ -= uint64_t(it->second->max_send_wr) + it->second->max_recv_wr;
+      release_quota(*it->second);
       qps_.erase(it);
       --stats_.engines;
       out = reply(true);
@@ -868,9 +976,18 @@ Reply Session::respond_locked(MessageType type, const uint8_t* message, size_t l
 
 class Shard {
  public:
-  Shard(const DaemonOptions& options, unsigned index) : options_(options), index_(index) {
+  // One flow scheduler for every context the shard serves: its share of
+  // the daemon's rate (--tx-rate), the tenants' weights and rate limits.
+  Shard(const DaemonOptions& options, unsigned index, const TenantBook& book)
+      : options_(options), index_(index), scheduler_(std::make_shared<host::SharedScheduler>()) {
     wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    const uint64_t now = monotonic_ns();
+    scheduler_->scheduler.set_link_rate(options.tx_rate_bytes_per_s / options.cores, 0, now);
+    for (auto& [name, t] : book.tenants)
+      scheduler_->scheduler.set_tenant(name, host::TenantShare{t.entry.weight, t.entry.rate_bytes_per_s, t.entry.burst_bytes}, now);
   }
+  unsigned index() const { return index_; }
+  const std::shared_ptr<host::SharedScheduler>& scheduler() const { return scheduler_; }
   ~Shard() {
     stop();
     ::close(wake_fd_);
@@ -915,6 +1032,7 @@ class Shard {
 
   const DaemonOptions& options_;
   unsigned index_;
+  std::shared_ptr<host::SharedScheduler> scheduler_;
   int wake_fd_ = -1;
   std::mutex mutex_;
   std::vector<std::shared_ptr<Session>> sessions_;
@@ -991,7 +1109,8 @@ void Shard::sleep(std::vector<std::shared_ptr<Session>>& sessions) {
 
 // ---------------------------------------------------------------------------
 
-Daemon::Daemon(DaemonOptions options) : options_(std::move(options)), stats_(std::make_unique<Stats>()) {}
+Daemon::Daemon(DaemonOptions options)
+    : options_(std::move(options)), stats_(std::make_unique<Stats>()), tenants_(std::make_unique<TenantBook>()) {}
 
 Daemon::~Daemon() {
   for (auto& shard : shards_) shard->stop();
@@ -1010,6 +1129,13 @@ std::optional<std::string> Daemon::start() {
     return "socket path empty or longer than " + std::to_string(sizeof address.sun_path - 1) + " bytes";
   std::memcpy(address.sun_path, options_.socket_path.data(), options_.socket_path.size());
   if (options_.cores == 0 || options_.cores > 256) return std::string("--cores must be in [1, 256]");
+  if (!options_.tenants_file.empty()) {
+    std::string error;
+    auto listed = host::load_tenants_file(options_.tenants_file, error);
+    if (!listed) return error;
+    tenants_->enabled = true;
+    for (auto& [name, entry] : *listed) tenants_->tenants[name].entry = entry;
+  }
   // A socket file nobody answers on is a dead daemon's: replace it. One
   // somebody answers on is a live daemon's: leave it alone.
   const int probe = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
@@ -1034,11 +1160,16 @@ void Daemon::run() {
   // Threads start here, not in start(): a daemon that detaches (fork) in
   // between keeps only the thread that forked.
   for (unsigned i = 0; i < options_.cores; ++i) {
-    shards_.push_back(std::make_unique<Shard>(options_, i));
+    shards_.push_back(std::make_unique<Shard>(options_, i, *tenants_));
     shards_.back()->start();
   }
   say("serving %s with %u shard thread%s, %s", options_.socket_path.c_str(), options_.cores, options_.cores == 1 ? "" : "s",
       options_.busy_poll ? "busy polling" : "adaptive wait");
+  if (tenants_->enabled)
+    say("tenants: %zu from %s (only they are served)", tenants_->tenants.size(), options_.tenants_file.c_str());
+  if (options_.tx_rate_bytes_per_s)
+    say("transmit rate: %llu bytes/s (%llu per shard)", (unsigned long long)options_.tx_rate_bytes_per_s,
+        (unsigned long long)(options_.tx_rate_bytes_per_s / options_.cores));
   serve_clients();
 }
 
@@ -1092,13 +1223,30 @@ void Daemon::accept_client() {
                             " is not allowed to use this engine daemon (its --allow-uid/--allow-gid list)");
   if (sessions_.size() >= options_.max_clients)
     return refuse(false, "the daemon already serves its maximum of " + std::to_string(options_.max_clients) + " clients (--max-clients)");
-  auto session = std::make_shared<Session>(fd, cred, peer_pidfd(fd, cred.pid), options_, *stats_);
-  sessions_.push_back(session);
-  // The least loaded shard takes it.
-  Shard* best = shards_[next_shard_++ % shards_.size()].get();
-  for (auto& s : shards_)
-    if (s->size() < best->size()) best = s.get();
-  best->add(session);
+  // A shard takes it once it has opened its context (place()).
+  sessions_.push_back(std::make_shared<Session>(fd, cred, peer_pidfd(fd, cred.pid), options_, *stats_, *tenants_));
+}
+
+void Daemon::place(const std::shared_ptr<Session>& session) {
+  // A tenant's contexts share one shard, so that its weight and rate limit
+  // hold across them (one scheduler per shard); a tenant new to the daemon,
+  // and every context without tenants, goes to the least loaded shard.
+  TenantBook::Usage* usage = session->tenant_usage();
+  Shard* shard = nullptr;
+  if (usage && usage->shard >= 0) {
+    shard = shards_[size_t(usage->shard)].get();
+  } else {
+    shard = shards_[next_shard_++ % shards_.size()].get();
+    for (auto& s : shards_)
+      if (s->size() < shard->size()) shard = s.get();
+  }
+  if (usage) usage->shard = int(shard->index());
+  session->set_shard(int(shard->index()));
+  {
+    std::lock_guard lock(session->mutex());
+    session->host().use_scheduler_locked(shard->scheduler());
+  }
+  shard->add(session);
 }
 
 void Daemon::close_session(size_t index) {
@@ -1134,6 +1282,7 @@ void Daemon::serve_clients() {
         } else {
           keep = s.handle(buffer.data(), n, fds);
         }
+        if (keep && s.opened() && s.shard() < 0) place(sessions_[index]);
       } else if (polled[i].revents & (POLLHUP | POLLERR)) {
         keep = false;
       }

@@ -41,11 +41,19 @@ struct DaemonOptions {
   unsigned max_clients = 1024;
   unsigned max_qps_per_client = 4096;
   unsigned max_regions_per_client = 65536;
+  // Tenants (docs/scheduler.md, "In the engine daemon"): with a file, only
+  // its tenants are served, each with its credential, its quotas over all
+  // its contexts, its weight and rate limit in its shard's scheduler.
+  std::string tenants_file;
+  // The rate (bytes/s) the daemon's packets leave at, split evenly over the
+  // shards; 0: none.
+  uint64_t tx_rate_bytes_per_s = 0;
 };
 
 class Shard;
 class Session;
 struct Stats;
+struct TenantBook;
 
 class Daemon {
  public:
@@ -68,10 +76,13 @@ class Daemon {
   void serve_clients();
   void accept_client();
   void close_session(size_t index);
+  // Puts a session that opened its context on a shard.
+  void place(const std::shared_ptr<Session>&);
 
   DaemonOptions options_;
   int listen_fd_ = -1, stop_fd_ = -1;
   std::unique_ptr<Stats> stats_;  // before shards and sessions: sessions count themselves out in it
+  std::unique_ptr<TenantBook> tenants_;  // likewise: sessions give their quota back in it
   std::vector<std::unique_ptr<Shard>> shards_;
   std::vector<std::shared_ptr<Session>> sessions_;
   size_t next_shard_ = 0;

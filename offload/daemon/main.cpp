@@ -2,7 +2,7 @@
 // host that selects the daemon placement (STELLAR_ENGINE=daemon, or
 // ContextOptions::progress = ProgressMode::daemon). docs/engine-daemon.md.
 //
-//   stellar-engined --socket /run/stellar/engined.sock [--cores N] [--foreground]
+//   stellar-engined --socket /run/stellar/engined.sock [--cores N] [--tenants FILE] [--tx-rate B/s] [--foreground]
 #include <signal.h>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -39,6 +39,12 @@ int main(int argc, char** argv) {
   app.add_option("--max-qps", o.max_qps_per_client, "QPs one context may attach")->check(CLI::Range(1u, 1u << 24))->capture_default_str();
   app.add_option("--max-regions", o.max_regions_per_client, "memory regions one context may register")
       ->check(CLI::Range(1u, 1u << 24))
+      ->capture_default_str();
+  app.add_option("--tenants", o.tenants_file,
+                 "tenants file (JSON, docs/scheduler.md): serve only its tenants, each with its credential, quotas, weight and rate limit")
+      ->check(CLI::ExistingFile);
+  app.add_option("--tx-rate", o.tx_rate_bytes_per_s, "bytes/s the daemon's packets leave at, split over the shards (0: no limit)")
+      ->check(CLI::Range(uint64_t(0), uint64_t(1) << 48))
       ->capture_default_str();
   app.add_flag("--foreground", foreground, "stay in the foreground, log to stderr (containers, tests, systemd)");
   CLI11_PARSE(app, argc, argv);

@@ -36,7 +36,9 @@
 namespace stellar::host::daemon {
 
 inline constexpr uint32_t protocol_magic = 0x53544c44;  // "STLD"
-inline constexpr uint32_t protocol_version = 5;  // 3: paths (multipath); 4: address-change counters; 5: traffic class
+// 3: paths (multipath); 4: address-change counters; 5: traffic class;
+// 6: tenant and credential in the open, job label in the attach
+inline constexpr uint32_t protocol_version = 6;
 inline constexpr size_t max_message_bytes = 4096;
 inline constexpr int max_message_fds = 2;  // the open's: shared area memfd, the daemon's end of the bell pair
 
@@ -73,8 +75,14 @@ struct OpenRequest {
   uint64_t area_bytes = 0;
   uint16_t paths = 1;          // UDP sockets (source ports) of the context, 1-256 (HostOptions::paths)
   uint16_t pad1[3] = {};
+  // The tenant the context opens as, and its credential (NUL-terminated;
+  // empty: none). A daemon with a tenants file (--tenants) serves only a
+  // tenant it lists, with its credential; one without takes the name as a
+  // label for sharing (docs/scheduler.md, "In the engine daemon").
+  char tenant[64] = {};
+  char credential[264] = {};
 };
-static_assert(sizeof(OpenRequest) == 96);
+static_assert(sizeof(OpenRequest) == 424);
 
 // The daemon reads and writes registered memory in the registering process
 // with process_vm_readv/writev (docs/engine-daemon.md, "Memory"): the
@@ -112,8 +120,14 @@ struct AttachRequest {
   // the class orders its packets among the context's QPs, the DSCP marks them.
   uint8_t traffic_class = 0, dscp = 0;
   uint8_t pad3[5] = {};
+  // The QP's job (JobHints, NUL-terminated, longer names cut), its weight
+  // among the tenant's jobs and its step: the scheduler's label
+  // (host::FlowLabel) beside the class.
+  char job[64] = {};
+  uint64_t step_period_ns = 0, deadline_ns = 0;
+  uint32_t job_weight = 1, pad4 = 0;
 };
-static_assert(sizeof(AttachRequest) == 120);
+static_assert(sizeof(AttachRequest) == 208);
 
 AttachRequest attach_request(const offload::EngineConfig&);
 // The engine configuration of an attach request, if every field is one the
@@ -126,6 +140,14 @@ struct HandleRequest {  // detach, enter_error
   uint32_t handle = 0, pad = 0;
 };
 
+// Reply::denied.
+enum Refusal : uint32_t {
+  refused_other = 0,
+  refused_user = 1,    // the client's uid/gid is not on the allow-list
+  refused_tenant = 2,  // tenant not listed, or a wrong or missing credential
+  refused_quota = 3,   // the tenant's quota (QPs, registered bytes, work requests)
+};
+
 struct Reply {
   MessageHeader h;
   int32_t ok = 0;          // 1: success
@@ -136,7 +158,7 @@ struct Reply {
   uint32_t daemon_pid = 0;
   uint32_t sessions = 0;    // counters: contexts the daemon serves now (this one included)
   uint32_t engines = 0;     // counters: QPs attached across all of them
-  uint32_t denied = 0;      // !ok: 1 when the client's credentials are not on the allow-list
+  uint32_t denied = 0;      // !ok: why, when it is one of `Refusal`
   HostCounters counters{};  // counters: this context's
   // enter_error: completions the daemon has produced for this context so
   // far (ring and overflow), the flushed ones included: the client has

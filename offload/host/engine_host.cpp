@@ -110,13 +110,21 @@ EngineHost::EngineHost(std::mutex& lock, HostClient& client) : lock_(lock), clie
 
 EngineHost::~EngineHost() {
   stop();
+  {
+    // A shared scheduler outlives this host: its flows go with it.
+    auto held = hold_scheduler();
+    for (auto& [key, e] : engines_) sched().remove(e->flow);
+  }
   if (kick_fd_ >= 0) ::close(kick_fd_);
   if (netlink_fd_ >= 0) ::close(netlink_fd_);
 }
 
 std::optional<SocketError> EngineHost::open(const HostOptions& options) {
   options_ = options;
-  scheduler_.set_link_rate(options_.tx_rate_bytes_per_s, 0, monotonic_ns());
+  if (!shared_scheduler_) {
+    auto held = hold_scheduler();
+    sched().set_link_rate(options_.tx_rate_bytes_per_s, 0, monotonic_ns());
+  }
   std::optional<SocketError> error;
   bool bound = false;
   if (options_.mode == off::Mode::roce && options_.udp_port == 0) {
@@ -211,7 +219,10 @@ Host::Engine* EngineHost::attach_locked(const off::EngineConfig& config, const s
   // The class's DSCP, with the ECN bits the stellar mode's sockets send
   // (ECT(0)); DSCP 0 is the socket's own setting already.
   if (binding.dscp) e->tos = uint8_t(binding.dscp << 2 | (options_.mode == off::Mode::stellar ? 0x02 : 0));
-  e->flow = scheduler_.add(binding.label, monotonic_ns());
+  {
+    auto held = hold_scheduler();
+    e->flow = sched().add(binding.label, monotonic_ns(), this);
+  }
   if (flow_engines_.size() <= e->flow) flow_engines_.resize(e->flow + 1, nullptr);
   flow_engines_[e->flow] = e.get();
   Engine* handle = e.get();
@@ -232,14 +243,15 @@ void EngineHost::detach_locked(Host::Engine* handle) {
   if (n) send_datagrams(n, e->peer, e->tos);
   accumulate(retired_, e->engine.counters());
   // Its tenant's report keeps what it did.
-  const FlowLabel& label = scheduler_.label(e->flow);
+  auto held = hold_scheduler();
+  const FlowLabel& label = sched().label(e->flow);
   FlowReport& r = retired_flows_[label.tenant + '\0' + label.job + '\0' + char('0' + label.traffic_class)];
   r.label = label;
   accumulate(r.counters, e->engine.counters());
-  const FlowWaits& w = scheduler_.waits(e->flow);
+  const FlowWaits& w = sched().waits(e->flow);
   r.waits.waits += w.waits, r.waits.wait_ns_total += w.wait_ns_total, r.waits.bytes += w.bytes;
   r.waits.wait_ns_max = std::max(r.waits.wait_ns_max, w.wait_ns_max);
-  scheduler_.remove(e->flow);
+  sched().remove(e->flow);
   flow_engines_[e->flow] = nullptr;
   engines_.erase(e->key);
 }
@@ -262,7 +274,10 @@ void EngineHost::posted_locked(Host::Engine* handle, uint64_t now_ns) {
   // Inline: the new work leaves now, in the scheduler's order (the flow
   // waits its turn if others are ahead of it).
   Engine& e = *own(handle);
-  if (e.engine.next_wakeup_ns(now_ns) <= now_ns) scheduler_.ready(e.flow, now_ns);
+  if (e.engine.next_wakeup_ns(now_ns) <= now_ns) {
+    auto held = hold_scheduler();
+    sched().ready(e.flow, now_ns);
+  }
   bool more = false;
   serve_locked(now_ns, more);
 }
@@ -286,7 +301,11 @@ bool EngineHost::serve_locked(uint64_t now, bool& more) {
   size_t sent = 0;
   FlowScheduler::Flow f;
   uint64_t budget;
-  while (sent < round_cap && scheduler_.next(now, f, budget)) {
+  auto held = hold_scheduler();
+  while (sent < round_cap && sched().next(now, f, budget)) {
+    // Shared with other hosts: serve while this host's flow is next; the
+    // owner of the next one serves it in its own round.
+    if (sched().owner(f) != this) break;
     Engine& e = *flow_engines_[f];
     const size_t count = size_t(std::clamp<uint64_t>(budget / mtu, 1, tx_batch));
     const size_t n = e.engine.transmit(tx_, count, now);
@@ -300,7 +319,7 @@ bool EngineHost::serve_locked(uint64_t now, bool& more) {
     // for the next round, after the host has received.
     const bool again = due && n == count;
     if (due && !again) more = true;
-    scheduler_.served(f, bytes, again, now);
+    sched().served(f, bytes, again, now);
   }
   if (sent >= round_cap) more = true;
   return sent > 0;
@@ -422,15 +441,18 @@ bool EngineHost::progress_round_locked(uint64_t now, bool& more) {
   }
   // Engines with datagrams due join the scheduler's queue; it decides the
   // order they leave in (docs/scheduler.md).
-  for (auto& [key, e] : engines_) {
-    if (!scheduler_.is_ready(e->flow)) {
-      if (e->engine.next_wakeup_ns(now) <= now) scheduler_.ready(e->flow, now);
-    } else if (scheduler_.eligible_at(e->flow, now) > now) {
+  {
+    auto held = hold_scheduler();
+    for (auto& [key, e] : engines_) {
+      if (!sched().is_ready(e->flow)) {
+        if (e->engine.next_wakeup_ns(now) <= now) sched().ready(e->flow, now);
+      } else if (sched().eligible_at(e->flow, now) > now) {
       // Held back by a token bucket: its acknowledgements of what the peer
       // sent still go now (a few bytes), so that the peer's timers and
       // delay signals do not pay for this side's rate limit.
-      const size_t n = e->engine.transmit_final_acknowledgement(tx_, 1, now);
-      if (n) send_datagrams(n, e->peer, e->tos);
+        const size_t n = e->engine.transmit_final_acknowledgement(tx_, 1, now);
+        if (n) send_datagrams(n, e->peer, e->tos);
+      }
     }
   }
   if (serve_locked(now, more)) work = true;
@@ -708,18 +730,22 @@ void EngineHost::flush_acknowledgements_locked(uint64_t now) {
     const size_t n = e->engine.transmit_final_acknowledgement(tx_, 1, now);
     if (n) send_datagrams(n, e->peer, e->tos);
   }
-  for (auto& [key, e] : engines_)
-    if (!scheduler_.is_ready(e->flow) && e->engine.next_wakeup_ns(now) <= now) scheduler_.ready(e->flow, now);
+  {
+    auto held = hold_scheduler();
+    for (auto& [key, e] : engines_)
+      if (!sched().is_ready(e->flow) && e->engine.next_wakeup_ns(now) <= now) sched().ready(e->flow, now);
+  }
   bool more = false;
   serve_locked(now, more);
 }
 
 uint64_t EngineHost::next_wakeup_locked(uint64_t now) {
   uint64_t t = client_.next_wakeup_locked(now);
+  auto held = hold_scheduler();
   for (auto& [key, e] : engines_) {
     uint64_t w = e->engine.next_wakeup_ns(now);
     // Due, but its token bucket (or the link's) holds it back: when it refills.
-    if (w <= now && scheduler_.is_ready(e->flow)) w = scheduler_.eligible_at(e->flow, now);
+    if (w <= now && sched().is_ready(e->flow)) w = sched().eligible_at(e->flow, now);
     t = std::min(t, w);
     if (e->validation.active || e->announcing) t = std::min(t, timers_due_);
   }
@@ -748,19 +774,29 @@ HostCounters EngineHost::counters_locked() const {
 }
 
 bool EngineHost::set_tenant_share_locked(const std::string& tenant, const TenantShare& share) {
-  scheduler_.set_tenant(tenant, share, monotonic_ns());
+  if (shared_scheduler_) return false;  // the sharer's to set
+  auto held = hold_scheduler();
+  sched().set_tenant(tenant, share, monotonic_ns());
   return true;
+}
+
+void EngineHost::use_scheduler_locked(std::shared_ptr<SharedScheduler> shared) {
+  // Flows live in one scheduler: only a host without engines may move.
+  if (!engines_.empty() || !shared) return;
+  scheduling_ = std::move(shared);
+  shared_scheduler_ = true;
 }
 
 std::vector<FlowReport> EngineHost::flow_report_locked() const {
   std::unordered_map<std::string, FlowReport> by = retired_flows_;
+  auto held = hold_scheduler();
   for (auto& [key, e] : engines_) {
-    const FlowLabel& label = scheduler_.label(e->flow);
+    const FlowLabel& label = sched().label(e->flow);
     FlowReport& r = by[label.tenant + '\0' + label.job + '\0' + char('0' + label.traffic_class)];
     r.label = label;
     ++r.engines;
     accumulate(r.counters, e->engine.counters());
-    const FlowWaits& w = scheduler_.waits(e->flow);
+    const FlowWaits& w = sched().waits(e->flow);
     r.waits.waits += w.waits, r.waits.wait_ns_total += w.wait_ns_total, r.waits.bytes += w.bytes;
     r.waits.wait_ns_max = std::max(r.waits.wait_ns_max, w.wait_ns_max);
   }

@@ -89,6 +89,12 @@ class EngineHost final : public Host {
   std::vector<FlowReport> flow_report_locked() const override;
   std::optional<std::string> rebind_locked(const std::string& address, uint64_t now_ns) override;
 
+  // Orders this host's packets with `shared` (the engine daemon: one per
+  // shard, across its contexts) instead of a scheduler of its own; the
+  // sharer sets the link rate and tenants' shares there. Before the first
+  // attach, under the lock.
+  void use_scheduler_locked(std::shared_ptr<SharedScheduler> shared);
+
   // ---- without the lock ----
   void kick() override;
   // Takes the lock to read the timers.
@@ -146,7 +152,12 @@ class EngineHost final : public Host {
   int kick_fd_ = -1;
   std::unordered_map<uint64_t, std::unique_ptr<Engine>> engines_;  // (pkey << 32 | qpn)
   offload::EngineCounters retired_{};  // counters of detached engines
-  FlowScheduler scheduler_;
+  // The flow scheduler, under its own lock (taken inside lock_): this
+  // host's, or shared with other hosts (use_scheduler_locked).
+  std::shared_ptr<SharedScheduler> scheduling_ = std::make_shared<SharedScheduler>();
+  FlowScheduler& sched() const { return scheduling_->scheduler; }
+  std::unique_lock<std::mutex> hold_scheduler() const { return std::unique_lock(scheduling_->lock); }
+  bool shared_scheduler_ = false;
   std::vector<Engine*> flow_engines_;  // by FlowScheduler::Flow
   // Detached engines' counters and waits, by "tenant\0job\0class".
   std::unordered_map<std::string, FlowReport> retired_flows_;

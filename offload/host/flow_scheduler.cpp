@@ -50,7 +50,7 @@ void FlowScheduler::set_tenant(const std::string& name, const TenantShare& share
   if (share.rate_bytes_per_s) t.bucket.configure(share.rate_bytes_per_s, share.burst_bytes, now);
 }
 
-FlowScheduler::Flow FlowScheduler::add(const FlowLabel& label, uint64_t now) {
+FlowScheduler::Flow FlowScheduler::add(const FlowLabel& label, uint64_t now, const void* owner) {
   Flow f;
   if (!free_.empty()) {
     f = free_.back();
@@ -62,6 +62,7 @@ FlowScheduler::Flow FlowScheduler::add(const FlowLabel& label, uint64_t now) {
   FlowState& s = flows_[f];
   s = FlowState{};
   s.used = true;
+  s.owner = owner;
   s.label = label;
   s.label.job_weight = std::max<uint32_t>(label.job_weight, 1);
   s.label.traffic_class = std::min<uint8_t>(label.traffic_class, traffic_classes - 1);

@@ -25,10 +25,16 @@
 //
 // Pure logic on a caller-supplied clock (nanoseconds): the engine host
 // drives it on CLOCK_MONOTONIC, the tests on a virtual clock. Not
-// thread-safe: the engine host calls it under its lock.
+// thread-safe: callers hold SharedScheduler::lock.
+//
+// One scheduler may order the flows of several engine hosts (the engine
+// daemon: every context a shard serves, so that tenants share the shard
+// across applications). Each flow has an owner; a host serves only its own
+// flows, and only while one of them is next in the common order.
 #pragma once
 
 #include <cstdint>
+#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -79,7 +85,8 @@ class FlowScheduler {
   void set_link_rate(uint64_t bytes_per_s, uint64_t burst_bytes, uint64_t now);
   void set_tenant(const std::string& tenant, const TenantShare&, uint64_t now);
 
-  Flow add(const FlowLabel&, uint64_t now);
+  // `owner`: who transmits the flow's packets (the engine host), or null.
+  Flow add(const FlowLabel&, uint64_t now, const void* owner = nullptr);
   void remove(Flow);
 
   // The flow has packets due (idempotent).
@@ -100,6 +107,7 @@ class FlowScheduler {
   // The same for one flow (its buckets alone).
   uint64_t eligible_at(Flow, uint64_t now);
 
+  const void* owner(Flow f) const { return flows_[f].owner; }
   const FlowLabel& label(Flow f) const { return flows_[f].label; }
   const FlowWaits& waits(Flow f) const { return flows_[f].waits; }
 
@@ -139,6 +147,7 @@ class FlowScheduler {
   };
   struct FlowState {
     bool used = false, ready = false;
+    const void* owner = nullptr;
     FlowLabel label;
     Tenant* tenant = nullptr;
     Job* job = nullptr;
@@ -163,6 +172,14 @@ class FlowScheduler {
   static constexpr Flow no_flow = UINT32_MAX;
   Flow control_grant_ = no_flow;  // the flow next() last granted by control priority
   uint32_t ready_count_ = 0;
+};
+
+// A scheduler and the lock that guards it: owned by one engine host, or
+// shared by the engine hosts of a daemon shard. Lock order: a host's own
+// lock first, then this one.
+struct SharedScheduler {
+  std::mutex lock;
+  FlowScheduler scheduler;
 };
 
 }  // namespace stellar::host

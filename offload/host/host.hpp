@@ -52,6 +52,9 @@ struct HostOptions {
   bool adaptive_wait = false;  // the thread sleeps after spinning `spin_ns` without work
   uint64_t spin_ns = 0;
   std::string daemon_socket;   // RemoteHost: the daemon's Unix socket
+  // RemoteHost: the tenant the context opens as and its credential, for a
+  // daemon that holds the tenants file (stellar-engined --tenants).
+  std::string tenant, credential;
 };
 
 struct HostCounters {
@@ -178,6 +181,9 @@ class Host {
   // The earliest timer across engines and the client; UINT64_MAX: none.
   virtual uint64_t next_wakeup_locked(uint64_t now_ns) = 0;
   virtual HostCounters counters_locked() const = 0;
+  // The last failed request (registration, attach) passed the tenant's
+  // quota in the engine daemon (its tenants file), not a local check.
+  virtual bool quota_refused_locked() const { return false; }
   // The flow scheduler's share of a tenant (weight, rate limit); false where
   // the placement has no scheduler for this application's tenants (the
   // daemon).

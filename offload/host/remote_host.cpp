@@ -64,6 +64,10 @@ std::optional<SocketError> RemoteHost::open(const HostOptions& options) {
   options_ = options;
   path_ = options.daemon_socket;
   auto fail = [&](const std::string& message, bool invalid = false) { return SocketError{invalid, message}; };
+  if (options.tenant.size() >= sizeof OpenRequest::tenant)
+    return fail("tenant name longer than " + std::to_string(sizeof OpenRequest::tenant - 1) + " bytes", true);
+  if (options.credential.size() >= sizeof OpenRequest::credential)
+    return fail("tenant credential longer than " + std::to_string(sizeof OpenRequest::credential - 1) + " bytes", true);
   sockaddr_un address{};
   address.sun_family = AF_UNIX;
   if (path_.empty() || path_.size() >= sizeof address.sun_path)
@@ -119,6 +123,8 @@ std::optional<SocketError> RemoteHost::open(const HostOptions& options) {
   r.reorder = options.faults.reorder;
   r.seed = options.faults.seed;
   r.paths = options.paths;
+  std::memcpy(r.tenant, options.tenant.data(), options.tenant.size());
+  std::memcpy(r.credential, options.credential.data(), options.credential.size());
   r.submit_capacity = submit_capacity;
   r.completion_capacity = completion_capacity;
   r.area_bytes = area_bytes_;
@@ -126,6 +132,7 @@ std::optional<SocketError> RemoteHost::open(const HostOptions& options) {
   Reply reply;
   std::string error;
   const bool opened = call_locked(&r, sizeof r, reply, error, fds, 2);
+  explicit_bzero(r.credential, sizeof r.credential);
   ::close(bells[1]);  // the daemon has its own copy now
   if (!opened) {
     SocketError e{!denied_ && error.find("address") != std::string::npos, error};
@@ -168,7 +175,7 @@ bool RemoteHost::call_locked(const void* request, size_t length, Reply& reply, s
     if (receive_message(socket_, &refusal, sizeof refusal, none, 0, 100) == long(sizeof refusal) && refusal.ok == 0) {
       refusal.message[sizeof refusal.message - 1] = 0;
       error = std::string("stellar-engined: ") + refusal.message;
-      denied_ = refusal.denied == 1;
+      denied_ = refusal.denied == refused_user || refusal.denied == refused_tenant;
       dead_ = true;  // refused, not gone: the caller reports it
       return false;
     }
@@ -191,8 +198,10 @@ bool RemoteHost::call_locked(const void* request, size_t length, Reply& reply, s
     error = "stellar-engined at " + path_ + ": " + why;
     return false;
   }
+  quota_refused_ = false;
   if (reply.ok != 1) {
-    denied_ = reply.denied == 1;
+    denied_ = reply.denied == refused_user || reply.denied == refused_tenant;
+    quota_refused_ = reply.denied == refused_quota;
     reply.message[sizeof reply.message - 1] = 0;
     error = std::string("stellar-engined: ") + reply.message;
     return false;
@@ -246,6 +255,10 @@ Host::Engine* RemoteHost::attach_locked(const off::EngineConfig& config, const s
   r.access = binding.access;
   r.traffic_class = binding.label.traffic_class;
   r.dscp = binding.dscp;
+  std::memcpy(r.job, binding.label.job.data(), std::min(binding.label.job.size(), sizeof r.job - 1));
+  r.job_weight = std::max<uint32_t>(binding.label.job_weight, 1);
+  r.step_period_ns = binding.label.step_period_ns;
+  r.deadline_ns = binding.label.deadline_ns;
   Reply reply;
   if (!call_locked(&r, sizeof r, reply, error)) return nullptr;
   auto e = std::make_unique<Engine>();

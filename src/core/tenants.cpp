@@ -1,15 +1,10 @@
 #include "core/tenants.hpp"
 
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <charconv>
-#include <nlohmann/json.hpp>
-#include <set>
 #include <sstream>
 
 #include "core/config.hpp"
+#include "host/tenants_file.hpp"
 
 namespace stellar {
 
@@ -114,93 +109,24 @@ Result<JobHints> JobHints::parse(const std::string& text) {
 
 namespace tenants {
 
-bool credential_matches(const std::string& given, const std::string& expected) {
-  // Every byte of the longer string is looked at, whatever matched.
-  const size_t n = std::max(given.size(), expected.size());
-  unsigned char diff = given.size() == expected.size() ? 0 : 1;
-  for (size_t i = 0; i < n; ++i) {
-    const unsigned char a = i < given.size() ? uint8_t(given[i]) : 0, b = i < expected.size() ? uint8_t(expected[i]) : 0;
-    diff |= uint8_t(a ^ b);
-  }
-  return diff == 0 && !expected.empty();
-}
+bool credential_matches(const std::string& given, const std::string& expected) { return host::credential_matches(given, expected); }
 
 Result<std::map<std::string, TenantOptions>> load(const std::string& path) {
-  // Opened without blocking and checked on the descriptor: a FIFO or device
-  // named by mistake (or malice) must not hang Context::open.
-  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-  if (fd < 0) return Status(Errc::invalid_argument, "tenants file " + path + ": cannot be opened");
-  struct stat st {};
-  std::string text;
-  const bool regular = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
-  if (regular && st.st_size <= (1 << 20)) {
-    text.resize(size_t(st.st_size));
-    size_t got = 0;
-    while (got < text.size()) {
-      const ssize_t n = ::read(fd, text.data() + got, text.size() - got);
-      if (n <= 0) break;
-      got += size_t(n);
-    }
-    text.resize(got);
-  }
-  ::close(fd);
-  if (!regular) return Status(Errc::invalid_argument, "tenants file " + path + ": not a regular file");
-  if (st.st_size > (1 << 20)) return Status(Errc::invalid_argument, "tenants file " + path + ": larger than 1 MiB");
-  using nlohmann::json;
-  json doc = json::parse(text, nullptr, false);
-  if (doc.is_discarded()) return Status(Errc::invalid_argument, "tenants file " + path + ": not valid JSON");
-  auto bad = [&](const std::string& what) { return Status(Errc::invalid_argument, "tenants file " + path + ": " + what); };
-  if (!doc.is_object() || !doc.contains("tenants") || !doc["tenants"].is_array() || doc.size() != 1)
-    return bad("expected {\"tenants\": [...]}");
+  std::string error;
+  auto entries = host::load_tenants_file(path, error);
+  if (!entries) return Status(Errc::invalid_argument, error);
   std::map<std::string, TenantOptions> out;
-  std::set<uint16_t> pkeys;
-  size_t index = 0;
-  for (const json& t : doc["tenants"]) {
-    const std::string where = "tenants[" + std::to_string(index++) + "]";
-    if (!t.is_object()) return bad(where + " is not an object");
-    TenantOptions o;
-    std::string name;
-    for (auto it = t.begin(); it != t.end(); ++it) {
-      const std::string& key = it.key();
-      const json& v = it.value();
-      auto unsigned_value = [&](uint64_t max, uint64_t& out_value) -> std::optional<Status> {
-        if (!v.is_number_unsigned() || v.get<uint64_t>() > max)
-          return bad(where + "." + key + " is not an integer in [0, " + std::to_string(max) + "]");
-        out_value = v.get<uint64_t>();
-        return std::nullopt;
-      };
-      uint64_t n = 0;
-      std::optional<Status> error;
-      if (key == "name" || key == "credential") {
-        if (!v.is_string() || v.get<std::string>().size() > 256) return bad(where + "." + key + " is not a string of at most 256 bytes");
-        (key == "name" ? name : o.credential) = v.get<std::string>();
-      } else if (key == "pkey") {
-        if (!(error = unsigned_value(0xfffe, n))) o.pkey = uint16_t(n);
-      } else if (key == "weight") {
-        if (!(error = unsigned_value(1'000'000, n))) o.weight = uint32_t(n);
-        if (!error && n == 0) return bad(where + ".weight is 0: weights are at least 1");
-      } else if (key == "rate_bytes_per_s") {
-        error = unsigned_value(UINT64_MAX / 4, o.rate_bytes_per_s);
-      } else if (key == "burst_bytes") {
-        error = unsigned_value(UINT64_MAX / 4, o.burst_bytes);
-      } else if (key == "max_qps") {
-        if (!(error = unsigned_value(UINT32_MAX, n))) o.max_qps = uint32_t(n);
-      } else if (key == "max_registered_bytes") {
-        error = unsigned_value(UINT64_MAX, o.max_registered_bytes);
-      } else if (key == "max_receive_wrs") {
-        if (!(error = unsigned_value(UINT32_MAX, n))) o.max_receive_wrs = uint32_t(n);
-      } else if (key == "max_send_wrs") {
-        if (!(error = unsigned_value(UINT32_MAX, n))) o.max_send_wrs = uint32_t(n);
-      } else {
-        return bad(where + " has an unknown key '" + key + "'");
-      }
-      if (error) return *error;
-    }
-    if (name.empty()) return bad(where + " has no name");
-    if (o.credential.empty()) return bad(where + " (" + name + ") has no credential");
-    if (out.count(name)) return bad("tenant '" + name + "' is listed twice");
-    if (o.pkey && !pkeys.insert(o.pkey).second) return bad("partition key " + std::to_string(o.pkey) + " is listed twice");
-    out[name] = o;
+  for (auto& [name, e] : *entries) {
+    TenantOptions& o = out[name];
+    o.pkey = e.pkey;
+    o.credential = e.credential;
+    o.weight = e.weight;
+    o.rate_bytes_per_s = e.rate_bytes_per_s;
+    o.burst_bytes = e.burst_bytes;
+    o.max_qps = e.max_qps;
+    o.max_registered_bytes = e.max_registered_bytes;
+    o.max_receive_wrs = e.max_receive_wrs;
+    o.max_send_wrs = e.max_send_wrs;
   }
   return out;
 }

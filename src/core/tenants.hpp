@@ -1,6 +1,7 @@
 // Tenants as principals (docs/scheduler.md): the tenants file, credential
 // checks, and the job hints' text form. Used by Context::open and the soft
-// provider (the engine daemon does not read tenants files yet).
+// provider (the parser itself is offload/host/tenants_file, shared with the
+// engine daemon).
 #pragma once
 
 #include <map>

@@ -16,6 +16,7 @@
 #include <map>
 #include <thread>
 
+#include "engined_process.hpp"
 #include "stellar/stellar.hpp"
 
 using namespace stellar;
@@ -470,4 +471,152 @@ TEST(Tenants, WeightsAndRateLimitsNeedTheInProcessEngineHost) {
   ContextOptions rate;
   rate.tx_rate_bytes_per_s = 1'000'000;
   EXPECT_EQ(Context::open(rate).status().code(), daemon ? Errc::unsupported : Errc::ok);
+}
+
+// ---- the engine daemon with a tenants file (stellar-engined --tenants) ----
+
+namespace {
+
+const char* daemon_tenants = R"({"tenants": [
+  {"name": "one", "credential": "one-secret", "weight": 1},
+  {"name": "three", "credential": "three-secret", "weight": 3},
+  {"name": "small", "credential": "small-secret", "max_qps": 1, "max_registered_bytes": 8192}
+]})";
+
+ContextOptions in_daemon(const test::Engined& daemon, const std::string& tenant, const std::string& credential) {
+  ContextOptions o = daemon.options();
+  o.tenant = tenant;
+  o.credential = credential;
+  return o;
+}
+
+// A QP of `a` connected to one of `b` (both in tenant `pd_*`'s partition):
+// the status of the first step that failed.
+Status connect_qps(ProtectionDomain& pd_a, ProtectionDomain& pd_b, std::shared_ptr<CompletionQueue> cq_a,
+                   std::shared_ptr<CompletionQueue> cq_b, std::shared_ptr<QueuePair>& qp_a, std::shared_ptr<QueuePair>& qp_b) {
+  QpInitAttributes attr;
+  attr.send_cq = attr.recv_cq = cq_a;
+  auto qa = pd_a.create_qp(attr);
+  if (!qa) return qa.status();
+  attr.send_cq = attr.recv_cq = cq_b;
+  auto qb = pd_b.create_qp(attr);
+  if (!qb) return qb.status();
+  qp_a = *qa, qp_b = *qb;
+  QpModify m{QpState::init};
+  if (Status st = qp_a->modify(m); !st.ok()) return st;
+  if (Status st = qp_b->modify(m); !st.ok()) return st;
+  m.state = QpState::rtr;
+  m.remote = qp_a->local_endpoint();
+  if (Status st = qp_b->modify(m); !st.ok()) return st;
+  m.remote = qp_b->local_endpoint();
+  return qp_a->modify(m);  // the daemon attaches the engine here
+}
+
+}  // namespace
+
+TEST(TenantsInDaemon, TheDaemonServesOnlyItsTenantsWithTheirCredentials) {
+  TenantsFile file(daemon_tenants);
+  test::Engined daemon({"--tenants", file.path});
+  auto good = Context::open(in_daemon(daemon, "one", "one-secret"));
+  ASSERT_TRUE(good) << good.status().to_string();
+  EXPECT_TRUE((*good)->allocate_pd().ok());
+  for (auto [tenant, credential] : {std::pair<std::string, std::string>{"one", "three-secret"}, {"one", ""},
+                                    {"nobody", "one-secret"}, {"", ""}}) {
+    auto refused = Context::open(in_daemon(daemon, tenant, credential));
+    ASSERT_FALSE(refused) << "'" << tenant << "' with '" << credential << "' was let in";
+    EXPECT_EQ(refused.status().code(), Errc::permission_denied) << refused.status().to_string();
+    EXPECT_NE(refused.status().message().find("not one of the daemon's tenants"), std::string::npos) << refused.status().to_string();
+  }
+  // Refused, not broken: the daemon still serves its tenants.
+  EXPECT_TRUE(Context::open(in_daemon(daemon, "three", "three-secret")));
+  EXPECT_NE(daemon.log().find("refused as tenant 'nobody'"), std::string::npos) << daemon.log();
+  EXPECT_TRUE(daemon.alive());
+}
+
+TEST(TenantsInDaemon, QuotasHoldOverAllTheTenantsApplications) {
+  TenantsFile file(daemon_tenants);
+  test::Engined daemon({"--tenants", file.path});
+  // Two applications of tenant "small" (its quotas: 1 QP, 8 KiB registered),
+  // which know nothing of them: the daemon holds the file.
+  auto first = Context::open(in_daemon(daemon, "small", "small-secret")).value();
+  auto second = Context::open(in_daemon(daemon, "small", "small-secret")).value();
+  ContextOptions peer_options;
+  peer_options.tenant = "small";  // same partition key as theirs (the first assigned)
+  auto peer = Context::open(peer_options).value();
+  auto pd1 = first->allocate_pd().value(), pd2 = second->allocate_pd().value(), pdp = peer->allocate_pd().value();
+  static uint8_t memory[3][8192];
+  auto mr1 = pd1->register_memory(memory[0], 8192, access_local_write);
+  ASSERT_TRUE(mr1) << mr1.status().to_string();
+  auto mr2 = pd2->register_memory(memory[1], 4096, access_local_write);
+  ASSERT_FALSE(mr2);
+  EXPECT_EQ(mr2.status().code(), Errc::resource_exhausted) << mr2.status().to_string();
+  EXPECT_NE(mr2.status().message().find("quota of 8192"), std::string::npos) << mr2.status().to_string();
+  mr1->reset();  // the tenant's room comes back
+  mr2 = pd2->register_memory(memory[1], 4096, access_local_write);
+  EXPECT_TRUE(mr2) << mr2.status().to_string();
+
+  auto cq = [](Context& c) { return c.create_cq(16).value(); };
+  std::shared_ptr<QueuePair> a1, p1, a2, p2;
+  ASSERT_TRUE(connect_qps(*pd1, *pdp, cq(*first), cq(*peer), a1, p1).ok());
+  Status over = connect_qps(*pd2, *pdp, cq(*second), cq(*peer), a2, p2);
+  EXPECT_EQ(over.code(), Errc::resource_exhausted) << over.to_string();
+  EXPECT_NE(over.message().find("QPs"), std::string::npos) << over.to_string();
+  uint64_t refusals = 0;
+  for (const TenantCounters& t : second->tenant_counters()) refusals += t.quota_refusals;
+  EXPECT_EQ(refusals, 2u);  // the registration and the QP
+  // The first application goes (its QP with it): the second may connect.
+  a1.reset(), mr1->reset(), pd1.reset(), first.reset();
+  Status again;
+  for (int i = 0; i < 200; ++i) {
+    a2.reset(), p2.reset();
+    again = connect_qps(*pd2, *pdp, cq(*second), cq(*peer), a2, p2);
+    if (again.code() != Errc::resource_exhausted) break;
+    std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_TRUE(again.ok()) << again.to_string();
+  EXPECT_TRUE(daemon.alive());
+}
+
+TEST(TenantsInDaemon, TheDaemonSharesItsRateByTenantWeightAcrossApplications) {
+  // Two applications, tenants "one" (weight 1) and "three" (weight 3), each
+  // streaming WRITEs through one daemon shaped to 12 MB/s: the shard's
+  // scheduler orders both applications' packets, so each tenant gets its
+  // weight's share (each application alone would take all of it).
+  constexpr double rate = 12e6;
+  TenantsFile file(daemon_tenants);
+  test::Engined daemon({"--tenants", file.path, "--tx-rate", "12000000"});
+  const std::pair<const char*, const char*> tenants[] = {{"one", "one-secret"}, {"three", "three-secret"}};
+  std::shared_ptr<Context> senders[2], receivers[2];
+  Stream streams[2];
+  for (int i = 0; i < 2; ++i) {
+    ContextOptions o = in_daemon(daemon, tenants[i].first, tenants[i].second);
+    o.congestion_control = CongestionControl::none;  // backlogged at the scheduler, not window-limited
+    senders[i] = Context::open(o).value();
+    ContextOptions r;
+    r.tenant = tenants[i].first;  // the same partition key as the sender's tenant
+    r.progress = ProgressMode::thread;
+    r.wait = WaitPolicy::adaptive;
+    receivers[i] = Context::open(r).value();
+    connect_stream(*senders[i], *receivers[i], tenants[i].first, streams[i], JobHints{"train", TrafficKind::gradient_allreduce});
+  }
+  auto sent = [&](int i) { return double(senders[i]->counters().tx_bytes); };
+  const auto start = std::chrono::steady_clock::now();
+  double at_half[2] = {0, 0};
+  bool marked = false;
+  while (std::chrono::steady_clock::now() - start < 2000ms) {
+    for (Stream& s : streams) ASSERT_TRUE(pump(s, 16));
+    if (!marked && std::chrono::steady_clock::now() - start >= 500ms) {
+      at_half[0] = sent(0), at_half[1] = sent(1);
+      marked = true;
+    }
+    std::this_thread::sleep_for(200us);
+  }
+  const double end[2] = {sent(0), sent(1)};
+  const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double one = end[0] - at_half[0], three = end[1] - at_half[1];
+  ASSERT_GT(one, 0);
+  std::printf("daemon shares over 1.5 s: one %.0f B, three %.0f B, ratio %.2f (want 3)\n", one, three, three / one);
+  EXPECT_NEAR(three / one, 3.0, 0.3) << "one " << one << " three " << three;
+  EXPECT_LE(end[0] + end[1], rate * elapsed * 1.05 + 1e6);
+  EXPECT_GT(end[0] + end[1], rate * elapsed * 0.6);
 }

@@ -295,10 +295,12 @@ class SoftContext final : public Context, public host::HostClient {
     h.adaptive_wait = options_.wait == WaitPolicy::adaptive;
     h.spin_ns = uint64_t(options_.spin_time.count());
     h.daemon_socket = options_.engined_socket;
+    h.tenant = options_.tenant;
+    h.credential = options_.credential;
     h.tx_rate_bytes_per_s = options_.tx_rate_bytes_per_s;
     if (daemon() && options_.tx_rate_bytes_per_s)
       return Status(Errc::unsupported, "tx_rate_bytes_per_s (STELLAR_TX_RATE) is applied by the in-process engine host; "
-                                       "the engine daemon has no rate limit yet");
+                                       "in the daemon placement the daemon's rate applies (stellar-engined --tx-rate)");
     if (auto error = host_->open(h))
       return Status(error->permission_denied ? Errc::permission_denied
                     : error->invalid_address   ? Errc::invalid_argument
@@ -353,7 +355,8 @@ class SoftContext final : public Context, public host::HostClient {
       }
       if (daemon() && (t.options.weight > 1 || t.options.rate_bytes_per_s))
         return Status(Errc::unsupported, "tenant '" + name + "': its weight and rate limit are applied by the in-process engine "
-                                         "host; the engine daemon does not schedule tenants yet");
+                                         "host; in the daemon placement give them in the daemon's tenants file "
+                                         "(stellar-engined --tenants)");
       t.opened = true;
       return Status::success();
     }
@@ -370,7 +373,7 @@ class SoftContext final : public Context, public host::HostClient {
     const bool shares = o.weight > 1 || o.rate_bytes_per_s;
     if (shares && daemon() && enforce_placement)
       return Status(Errc::unsupported, "tenant '" + name + "': weights and rate limits are applied by the in-process engine host; "
-                                       "the engine daemon shares its capacity per application, not per tenant yet");
+                                       "in the daemon placement give them in the daemon's tenants file (stellar-engined --tenants)");
     if (o.weight == 0) return Status(Errc::invalid_argument, "tenant '" + name + "': weight 0 (weights are at least 1)");
     uint16_t pkey = o.pkey;
     auto used = [&](uint16_t k) {
@@ -578,6 +581,7 @@ Result<std::unique_ptr<MemoryRegion>> SoftPd::register_memory(void* addr, size_t
   if (auto error = context_->host_->register_memory_locked(host::MemoryRegistration{id_, e.lkey, e.rkey, access, e.addr, length})) {
     t.by_rkey.erase(e.rkey);
     t.lkey_to_rkey.erase(e.lkey);
+    if (context_->host_->quota_refused_locked()) return SoftContext::over_quota(t, "register_memory: " + *error);
     return Status(Errc::invalid_argument, "register_memory: " + *error);
   }
   t.registered_bytes += length;
@@ -704,7 +708,10 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
                                         uint64_t(hints_.step_period.count()), uint64_t(hints_.deadline.count())};
         binding.dscp = c.options_.class_dscp[hints_.traffic_class()];
         engine_ = c.host_->attach_locked(e, peer_, binding, *this, *this, error);
-        if (!engine_) return Status(Errc::io_error, "QP " + std::to_string(qpn_) + ": " + error);
+        if (!engine_) {
+          if (c.host_->quota_refused_locked()) return SoftContext::over_quota(*tenant_, "QP " + std::to_string(qpn_) + ": " + error);
+          return Status(Errc::io_error, "QP " + std::to_string(qpn_) + ": " + error);
+        }
         for (auto& r : early_receives_) c.host_->post_receive_locked(engine_, r);
         early_receives_.clear();
         c.qps_[uint64_t(pkey_) << 32 | qpn_] = this;

@@ -1,0 +1,63 @@
+#!/bin/bash
+# Tenant isolation in the engine daemon (issue 15, docs/scheduler.md): an
+# 8-byte ping-pong of tenant "lat" alone and beside a bandwidth hog of tenant
+# "hog" (64 KiB WRITEs, 128 deep), every context in one stellar-engined with
+# a tenants file and a transmit rate, so that the daemon's scheduler shares
+# the rate between the two applications. Prints, per round and as medians:
+# the ping-pong's p50/p99 alone and beside the hog (ratio: goal <= 1.2), and
+# the hog's bandwidth alone and beside the ping-pong (ratio: goal >= 0.9).
+# Usage: bench/isolation.sh BUILD_DIR [ROUNDS] [TX_RATE_BYTES_PER_S]
+set -euo pipefail
+build=${1:-build}
+rounds=${2:-3}
+rate=${3:-200000000}
+pp=$build/examples/stellar_pingpong
+bw=$build/bench/stellar_write_bw
+engined=$build/stellar-engined
+dir=$(mktemp -d /tmp/stellar-isolation-XXXXXX)
+trap 'kill $daemon 2>/dev/null; wait $daemon 2>/dev/null; rm -rf "$dir"' EXIT
+cat > "$dir/tenants.json" <<'JSON'
+{"tenants": [{"name": "lat", "credential": "lat-secret"}, {"name": "hog", "credential": "hog-secret"}]}
+JSON
+"$engined" --socket "$dir/sock" --tenants "$dir/tenants.json" --tx-rate "$rate" --wait adaptive --foreground 2> "$dir/daemon.log" &
+daemon=$!
+for _ in $(seq 100); do [ -S "$dir/sock" ] && break; sleep 0.05; done
+export STELLAR_ENGINE=daemon STELLAR_ENGINED_SOCKET=$dir/sock
+port=$((30000 + RANDOM % 10000))
+
+pingpong() {  # -> "p50 p99" one-way µs (t_typical, 99% percentile)
+  port=$((port + 1))
+  STELLAR_TENANT_CREDENTIAL=lat-secret "$pp" -p $port -s 8 -n 20000 --adaptive --tenant lat --hint control > /dev/null &
+  local s=$!
+  STELLAR_TENANT_CREDENTIAL=lat-secret "$pp" 127.0.0.1 -p $port -s 8 -n 20000 --adaptive --tenant lat --hint control |
+    awk '$1 == 8 {print $5, $8}'
+  wait $s
+}
+hog_start() {  # starts the hog for SECONDS; its MB/s average lands in $dir/hog
+  port=$((port + 1))
+  STELLAR_TENANT_CREDENTIAL=hog-secret "$bw" -p $port -s 65536 -D "$1" --wait adaptive --tenant hog --hint checkpoint > /dev/null &
+  hog_server=$!
+  STELLAR_TENANT_CREDENTIAL=hog-secret "$bw" 127.0.0.1 -p $port -s 65536 -D "$1" --wait adaptive --tenant hog --hint checkpoint |
+    awk '$1 == 65536 {print $4}' > "$dir/hog" &
+  hog_client=$!
+}
+hog_wait() { wait $hog_client $hog_server; cat "$dir/hog"; }
+
+median() { sort -g | awk '{v[NR] = $1} END {print v[int((NR + 1) / 2)]}'; }
+: > "$dir/results"
+for r in $(seq "$rounds"); do
+  read -r alone50 alone99 < <(pingpong)
+  hog_start 4; sleep 1
+  read -r with50 with99 < <(pingpong)
+  hog_with=$(hog_wait)
+  hog_start 3; hog_alone=$(hog_wait)
+  echo "$alone50 $alone99 $with50 $with99 $hog_alone $hog_with" >> "$dir/results"
+  echo "round $r: ping-pong p50/p99 alone $alone50/$alone99 us, beside the hog $with50/$with99 us;" \
+       "hog alone $hog_alone MB/s, beside the ping-pong $hog_with MB/s"
+done
+col() { awk -v c="$1" '{print $c}' "$dir/results" | median; }
+a50=$(col 1) a99=$(col 2) w50=$(col 3) w99=$(col 4) ha=$(col 5) hw=$(col 6)
+echo "medians over $rounds rounds (daemon --tx-rate $rate, one shard):"
+echo "  ping-pong p50 alone $a50 us, beside hog $w50 us: ratio $(awk -v a="$a50" -v b="$w50" 'BEGIN {printf "%.2f", b / a}')"
+echo "  ping-pong p99 alone $a99 us, beside hog $w99 us: ratio $(awk -v a="$a99" -v b="$w99" 'BEGIN {printf "%.2f", b / a}') (goal <= 1.2)"
+echo "  hog alone $ha MB/s, beside ping-pong $hw MB/s: ratio $(awk -v a="$ha" -v b="$hw" 'BEGIN {printf "%.2f", b / a}') (goal >= 0.9)"
