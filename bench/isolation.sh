@@ -27,9 +27,9 @@ port=$((30000 + RANDOM % 10000))
 
 pingpong() {  # -> "p50 p99" one-way µs (t_typical, 99% percentile)
   port=$((port + 1))
-  STELLAR_TENANT_CREDENTIAL=lat-secret "$pp" -p $port -s 8 -n 20000 --adaptive --tenant lat --hint control > /dev/null &
+  STELLAR_TENANT_CREDENTIAL=lat-secret "$pp" -p $port -s 8 -n 5000 --adaptive --tenant lat --hint control > /dev/null &
   local s=$!
-  STELLAR_TENANT_CREDENTIAL=lat-secret "$pp" 127.0.0.1 -p $port -s 8 -n 20000 --adaptive --tenant lat --hint control |
+  STELLAR_TENANT_CREDENTIAL=lat-secret "$pp" 127.0.0.1 -p $port -s 8 -n 5000 --adaptive --tenant lat --hint control |
     awk '$1 == 8 {print $5, $8}'
   wait $s
 }
@@ -41,7 +41,7 @@ hog_start() {  # starts the hog for SECONDS; its MB/s average lands in $dir/hog
     awk '$1 == 65536 {print $4}' > "$dir/hog" &
   hog_client=$!
 }
-hog_wait() { wait $hog_client $hog_server; cat "$dir/hog"; }
+hog_wait() { wait $hog_client $hog_server; }  # not in $(...): a subshell cannot wait for our children
 
 median() { sort -g | awk '{v[NR] = $1} END {print v[int((NR + 1) / 2)]}'; }
 : > "$dir/results"
@@ -49,8 +49,8 @@ for r in $(seq "$rounds"); do
   read -r alone50 alone99 < <(pingpong)
   hog_start 4; sleep 1
   read -r with50 with99 < <(pingpong)
-  hog_with=$(hog_wait)
-  hog_start 3; hog_alone=$(hog_wait)
+  hog_wait; hog_with=$(cat "$dir/hog")
+  hog_start 3; hog_wait; hog_alone=$(cat "$dir/hog")
   echo "$alone50 $alone99 $with50 $with99 $hog_alone $hog_with" >> "$dir/results"
   echo "round $r: ping-pong p50/p99 alone $alone50/$alone99 us, beside the hog $with50/$with99 us;" \
        "hog alone $hog_alone MB/s, beside the ping-pong $hog_with MB/s"
