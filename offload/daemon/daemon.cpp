@@ -22,6 +22,7 @@
 #include <cstring>
 #include <deque>
 #include <map>
+#include <set>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -45,6 +46,9 @@ void say(const char* format, ...) {
   va_end(args);
   timespec t;
   clock_gettime(CLOCK_REALTIME, &t);
+  // Client-supplied text (tenant names) may hold anything: one line, printable.
+  for (char* c = line; *c; ++c)
+    if (static_cast<unsigned char>(*c) < 0x20 || *c == 0x7f) *c = '?';
   std::fprintf(stderr, "stellar-engined[%d] %ld.%03ld %s\n", int(getpid()), long(t.tv_sec), t.tv_nsec / 1'000'000, line);
 }
 
@@ -151,7 +155,7 @@ struct TenantBook {
     host::TenantEntry entry;
     unsigned sessions = 0;
     int shard = -1;  // the shard its contexts run on (all on one: its weight and rate limit hold there)
-    uint64_t qps = 0, registered_bytes = 0, send_wrs = 0, receive_wrs = 0;
+    uint64_t qps = 0, registered_bytes = 0;
     uint64_t quota_refusals = 0, credential_refusals = 0;
   };
   bool enabled = false;
@@ -252,6 +256,7 @@ class Session final : public HostClient {
 
   int socket() const { return socket_; }
   const ucred& credentials() const { return credentials_; }
+  uint64_t accepted_at() const { return accepted_at_; }
   bool opened() const { return opened_.load(std::memory_order_acquire); }
   std::mutex& mutex() { return mutex_; }
   EngineHost& host() { return host_; }
@@ -398,11 +403,8 @@ class Session final : public HostClient {
     while (!overflow_.empty() && push_ring(overflow_.front())) overflow_.pop_front();
   }
 
-  void release_quota(const Qp& qp) {
-    if (!usage_) return;
-    --usage_->qps;
-    usage_->send_wrs -= qp.max_send_wr;
-    usage_->receive_wrs -= qp.max_recv_wr;
+  void release_quota(const Qp&) {
+    if (usage_) --usage_->qps;
   }
   void refuse_entry(const char* why) {
     if (refused_++ < 8) say("client pid %d: ring entry refused: %s", int(credentials_.pid), why);
@@ -427,6 +429,7 @@ class Session final : public HostClient {
   const DaemonOptions& options_;
   Stats& stats_;
   TenantBook& book_;
+  const uint64_t accepted_at_ = monotonic_ns();
   std::string tenant_;
   TenantBook::Usage* usage_ = nullptr;  // with a tenants file: its tenant's
   int shard_ = -1;
@@ -686,6 +689,7 @@ Reply Session::open_locked(const OpenRequest& r, std::vector<int>& fds) {
   mtu_ = r.mtu;
   opened_.store(true, std::memory_order_release);
   Reply ok = reply(true);
+  if (usage_) ok.tenant_pkey = usage_->entry.pkey;
   ok.local_address = host_.local().sin_addr.s_addr;
   ok.local_port = host_.local().sin_port;
   ok.gso = host_.gso();
@@ -784,16 +788,19 @@ Reply Session::attach(const AttachRequest& r) {
   std::string unused;
   if (r.traffic_class > 7 || r.dscp > 63) return reply(false, "attach: traffic class outside [0, 7] or DSCP outside [0, 63]");
   if (!std::memchr(r.job, 0, sizeof r.job)) return reply(false, "attach: job name not NUL-terminated");
-  constexpr uint64_t hour_ns = 3600ull * 1'000'000'000;
-  if (r.job_weight < 1 || r.job_weight > 1'000'000 || r.step_period_ns > hour_ns || r.deadline_ns > hour_ns)
-    return reply(false, "attach: job weight outside [1, 1000000], or step period or deadline over an hour");
+  constexpr uint64_t day_ns = 86'400ull * 1'000'000'000;
+  if (r.job_weight < 1 || r.job_weight > 1'000'000 || r.step_period_ns > day_ns || r.deadline_ns > day_ns)
+    return reply(false, "attach: job weight outside [1, 1000000], or step period or deadline over 24 h");
+  if (usage_ && config.pkey != usage_->entry.pkey)
+    return reply(false, "attach: partition key %u is not tenant '%s''s (%u): a context attaches only its own tenant's QPs",
+                 unsigned(config.pkey), tenant_.c_str(), unsigned(usage_->entry.pkey));
   if (usage_) {
     const host::TenantEntry& q = usage_->entry;
+    // QPs and registered bytes are counted here, over all the tenant's
+    // contexts. Outstanding work requests (max_send_wrs, max_receive_wrs)
+    // are the application side's check, as in-process; what a context can
+    // make the daemon hold is bounded by its QPs and their queue depths.
     if (q.max_qps && usage_->qps + 1 > q.max_qps) return over_quota("QPs", usage_->qps, 1, q.max_qps);
-    if (q.max_send_wrs && usage_->send_wrs + config.max_send_wr > q.max_send_wrs)
-      return over_quota("send queue entries", usage_->send_wrs, config.max_send_wr, q.max_send_wrs);
-    if (q.max_receive_wrs && usage_->receive_wrs + config.max_recv_wr > q.max_receive_wrs)
-      return over_quota("receive queue entries", usage_->receive_wrs, config.max_recv_wr, q.max_receive_wrs);
   }
   // Its packets leave in the shard's scheduler order, as the tenant's
   // (the one the context opened as), the job's and the class's, and carry
@@ -801,7 +808,9 @@ Reply Session::attach(const AttachRequest& r) {
   QpBinding binding;
   binding.pd = r.pd;
   binding.access = r.access;
-  binding.label.tenant = tenant_;
+  // Without a tenants file the client's name is not trusted to define a
+  // share (a client could open many): its user's contexts share one.
+  binding.label.tenant = usage_ ? tenant_ : "uid " + std::to_string(credentials_.uid);
   binding.label.job = r.job;
   binding.label.job_weight = r.job_weight;
   binding.label.traffic_class = r.traffic_class;
@@ -811,11 +820,7 @@ Reply Session::attach(const AttachRequest& r) {
   qp->engine = host_.attach_locked(config, peer, binding, *qp, *qp, unused);  // never fails in-process
   engine_keys_.insert(key);
   completion_budget_ += uint64_t(config.max_send_wr) + config.max_recv_wr;
-  if (usage_) {
-    ++usage_->qps;
-    usage_->send_wrs += config.max_send_wr;
-    usage_->receive_wrs += config.max_recv_wr;
-  }
+  if (usage_) ++usage_->qps;
   ++stats_.engines;
   Reply ok = reply(true);
   ok.handle = qp->handle;
@@ -846,6 +851,7 @@ bool Session::handle(const uint8_t* message, long length, std::vector<int>& fds)
       } else {
         std::memcpy(&r, message, sizeof r);
         out = open_locked(r, fds);
+        explicit_bzero(r.credential, sizeof r.credential);  // the file's copy is the one kept
         opened_now = out.ok == 1;
       }
     } else if (!area_) {
@@ -862,7 +868,9 @@ bool Session::handle(const uint8_t* message, long length, std::vector<int>& fds)
     const uint64_t one = 1;
     [[maybe_unused]] ssize_t r = ::write(shard_wake_fd_, &one, sizeof one);
   }
-  return answer(out);
+  // A refused tenant is answered and then disconnected: one guess per
+  // connection, and the connection does not keep a client slot.
+  return answer(out) && out.denied != refused_tenant;
 }
 
 Reply Session::respond_locked(MessageType type, const uint8_t* message, size_t length) {
@@ -982,7 +990,8 @@ class Shard {
       : options_(options), index_(index), scheduler_(std::make_shared<host::SharedScheduler>()) {
     wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     const uint64_t now = monotonic_ns();
-    scheduler_->scheduler.set_link_rate(options.tx_rate_bytes_per_s / options.cores, 0, now);
+    const uint64_t rate = options.tx_rate_bytes_per_s;
+    scheduler_->scheduler.set_link_rate(rate ? std::max<uint64_t>(1, rate / options.cores) : 0, 0, now);
     for (auto& [name, t] : book.tenants)
       scheduler_->scheduler.set_tenant(name, host::TenantShare{t.entry.weight, t.entry.rate_bytes_per_s, t.entry.burst_bytes}, now);
   }
@@ -1029,6 +1038,11 @@ class Shard {
  private:
   void run();
   void sleep(std::vector<std::shared_ptr<Session>>& sessions);
+  // Serves in the scheduler's order across the shard's contexts: each
+  // context's round yields when another's flow is next, so after the pass
+  // the owners of the next flows transmit in turn (a bounded number of
+  // grants, then the shard receives again). True if anything went.
+  bool dispatch(std::vector<std::shared_ptr<Session>>& sessions);
 
   const DaemonOptions& options_;
   unsigned index_;
@@ -1057,6 +1071,7 @@ void Shard::run() {
       work = s->host().progress_locked(monotonic_ns()) || work;
       s->notify_client_locked();
     }
+    if (mine.size() > 1) work = dispatch(mine) || work;
     const uint64_t now = monotonic_ns();
     if (work) {
       idle_since = now;
@@ -1069,6 +1084,32 @@ void Shard::run() {
       idle_since = monotonic_ns();
     }
   }
+}
+
+bool Shard::dispatch(std::vector<std::shared_ptr<Session>>& sessions) {
+  bool work = false;
+  for (int turn = 0; turn < 64; ++turn) {
+    const void* owner = nullptr;
+    {
+      std::lock_guard lock(scheduler_->lock);
+      host::FlowScheduler::Flow flow;
+      uint64_t budget;
+      if (!scheduler_->scheduler.next(monotonic_ns(), flow, budget)) break;
+      owner = scheduler_->scheduler.owner(flow);
+    }
+    Session* s = nullptr;
+    for (auto& candidate : sessions)
+      if (&candidate->host() == owner) s = candidate.get();
+    if (!s) break;  // placed on us after this pass began: the next pass has it
+    std::lock_guard lock(s->mutex());
+    if (!s->opened() || s->broken()) {
+      s->host().withdraw_locked(monotonic_ns());  // going: its flows must not hold up the others
+      continue;
+    }
+    if (s->host().serve_scheduled_locked(monotonic_ns())) work = true;
+    s->notify_client_locked();
+  }
+  return work;
 }
 
 void Shard::sleep(std::vector<std::shared_ptr<Session>>& sessions) {
@@ -1134,7 +1175,22 @@ std::optional<std::string> Daemon::start() {
     auto listed = host::load_tenants_file(options_.tenants_file, error);
     if (!listed) return error;
     tenants_->enabled = true;
-    for (auto& [name, entry] : *listed) tenants_->tenants[name].entry = entry;
+    // Every tenant gets its partition key here, as an application reading
+    // the same file assigns them: listed keys first, then the others from
+    // 0x8001 up in name order, skipping listed ones. The open's reply tells
+    // the application its key; attaches with another are refused.
+    std::set<uint16_t> used;
+    for (auto& [name, entry] : *listed)
+      if (entry.pkey) used.insert(entry.pkey);
+    uint16_t next = 0x8001;
+    for (auto& [name, entry] : *listed) {
+      if (!entry.pkey) {
+        while (used.count(next)) ++next;
+        entry.pkey = next;
+        used.insert(next);
+      }
+      tenants_->tenants[name].entry = entry;
+    }
   }
   // A socket file nobody answers on is a dead daemon's: replace it. One
   // somebody answers on is a live daemon's: leave it alone.
@@ -1257,6 +1313,10 @@ void Daemon::close_session(size_t index) {
   say("client pid %d: gone; its QPs freed, its memory never touched again", int(s->credentials().pid));
 }
 
+namespace {
+constexpr uint64_t open_deadline_ns = 10'000'000'000;  // connect to open
+}  // namespace
+
 void Daemon::serve_clients() {
   std::vector<uint8_t> buffer(max_message_bytes);
   std::vector<int> fds;
@@ -1268,6 +1328,16 @@ void Daemon::serve_clients() {
     for (auto& s : sessions_) polled.push_back({s->socket(), POLLIN, 0});
     if (::poll(polled.data(), polled.size(), accepting ? 1000 : 100) < 0 && errno != EINTR) break;
     if (polled[0].revents & POLLIN) break;
+    // A connection that has not opened a context within the limit is
+    // dropped: an idle socket must not hold a client slot for good.
+    const uint64_t now = monotonic_ns();
+    for (size_t i = sessions_.size(); i-- > 0;)
+      if (!sessions_[i]->opened() && now - sessions_[i]->accepted_at() > open_deadline_ns) {
+        say("client pid %d: no context opened within %llu s: disconnected", int(sessions_[i]->credentials().pid),
+            (unsigned long long)(open_deadline_ns / 1'000'000'000));
+        close_session(i);
+        polled.erase(polled.begin() + long(i) + 2);
+      }
     if (polled[1].revents & POLLIN) accept_client();
     // Back to front: closing a session shifts the ones behind it.
     for (size_t i = polled.size() - 1; i >= 2; --i) {
@@ -1281,6 +1351,7 @@ void Daemon::serve_clients() {
           keep = n < 0 && errno == EMSGSIZE ? s.handle(buffer.data(), 0, fds) : false;
         } else {
           keep = s.handle(buffer.data(), n, fds);
+          explicit_bzero(buffer.data(), size_t(n));  // an open's credential
         }
         if (keep && s.opened() && s.shard() < 0) place(sessions_[index]);
       } else if (polled[i].revents & (POLLHUP | POLLERR)) {

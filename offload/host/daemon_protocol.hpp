@@ -79,10 +79,10 @@ struct OpenRequest {
   // empty: none). A daemon with a tenants file (--tenants) serves only a
   // tenant it lists, with its credential; one without takes the name as a
   // label for sharing (docs/scheduler.md, "In the engine daemon").
-  char tenant[64] = {};
+  char tenant[264] = {};       // names and credentials up to 256 bytes (the tenants file's bound)
   char credential[264] = {};
 };
-static_assert(sizeof(OpenRequest) == 424);
+static_assert(sizeof(OpenRequest) == 624);
 
 // The daemon reads and writes registered memory in the registering process
 // with process_vm_readv/writev (docs/engine-daemon.md, "Memory"): the
@@ -120,14 +120,14 @@ struct AttachRequest {
   // the class orders its packets among the context's QPs, the DSCP marks them.
   uint8_t traffic_class = 0, dscp = 0;
   uint8_t pad3[5] = {};
-  // The QP's job (JobHints, NUL-terminated, longer names cut), its weight
-  // among the tenant's jobs and its step: the scheduler's label
-  // (host::FlowLabel) beside the class.
-  char job[64] = {};
+  // The QP's job (JobHints: up to 128 bytes, NUL-terminated), its weight
+  // among the tenant's jobs and its step (up to 24 h): the scheduler's
+  // label (host::FlowLabel) beside the class.
+  char job[136] = {};
   uint64_t step_period_ns = 0, deadline_ns = 0;
   uint32_t job_weight = 1, pad4 = 0;
 };
-static_assert(sizeof(AttachRequest) == 208);
+static_assert(sizeof(AttachRequest) == 280);
 
 AttachRequest attach_request(const offload::EngineConfig&);
 // The engine configuration of an attach request, if every field is one the
@@ -159,6 +159,7 @@ struct Reply {
   uint32_t sessions = 0;    // counters: contexts the daemon serves now (this one included)
   uint32_t engines = 0;     // counters: QPs attached across all of them
   uint32_t denied = 0;      // !ok: why, when it is one of `Refusal`
+  uint32_t tenant_pkey = 0; // open, with the daemon's tenants file: the tenant's partition key
   HostCounters counters{};  // counters: this context's
   // enter_error: completions the daemon has produced for this context so
   // far (ring and overflow), the flushed ones included: the client has

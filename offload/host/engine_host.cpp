@@ -780,6 +780,12 @@ bool EngineHost::set_tenant_share_locked(const std::string& tenant, const Tenant
   return true;
 }
 
+void EngineHost::withdraw_locked(uint64_t now) {
+  auto held = hold_scheduler();
+  for (auto& [key, e] : engines_)
+    if (sched().is_ready(e->flow)) sched().served(e->flow, 0, false, now);
+}
+
 void EngineHost::use_scheduler_locked(std::shared_ptr<SharedScheduler> shared) {
   // Flows live in one scheduler: only a host without engines may move.
   if (!engines_.empty() || !shared) return;

@@ -94,6 +94,16 @@ class EngineHost final : public Host {
   // sharer sets the link rate and tenants' shares there. Before the first
   // attach, under the lock.
   void use_scheduler_locked(std::shared_ptr<SharedScheduler> shared);
+  // Transmits for this host's flows while one of them is next in the
+  // scheduler's order (what a progress round does after receiving); the
+  // sharer calls it on the host that owns the next flow. True if anything went.
+  bool serve_scheduled_locked(uint64_t now_ns) {
+    bool more = false;
+    return serve_locked(now_ns, more);
+  }
+  // Takes this host's flows out of the scheduler's queue (its owner is
+  // going and will not serve them); they queue again when due.
+  void withdraw_locked(uint64_t now_ns);
 
   // ---- without the lock ----
   void kick() override;

@@ -32,7 +32,10 @@ void FlowScheduler::set_link_rate(uint64_t bytes_per_s, uint64_t burst_bytes, ui
 }
 
 void FlowScheduler::configure_control(Tenant& t, uint64_t now) {
-  const uint64_t rate = std::max<uint64_t>(min_control_rate, uint64_t(double(link_rate_) * control_rate_fraction));
+  // With a link rate, a fraction of it and no floor: a floor above the
+  // fraction would let any tenant take a slow link's control budget past
+  // its weight by marking bulk as control.
+  const uint64_t rate = link_rate_ ? std::max<uint64_t>(1, uint64_t(double(link_rate_) * control_rate_fraction)) : min_control_rate;
   t.control.configure(rate, 64 * 1024, now);
 }
 
@@ -44,6 +47,7 @@ FlowScheduler::Tenant& FlowScheduler::tenant(const std::string& name, uint64_t n
 
 void FlowScheduler::set_tenant(const std::string& name, const TenantShare& share, uint64_t now) {
   Tenant& t = tenant(name, now);
+  t.configured = true;
   t.share = share;
   t.share.weight = std::max<uint32_t>(share.weight, 1);
   t.bucket = Bucket{};
@@ -93,8 +97,10 @@ void FlowScheduler::remove(Flow f) {
   unready(s, 0);
   ready_list_.erase(std::remove(ready_list_.begin(), ready_list_.end(), f), ready_list_.end());
   if (--s.job->flows == 0) s.tenant->jobs.erase(s.label.job);
-  // A tenant's share (weight, rate) stays configured; only its flows go.
-  --s.tenant->flows;
+  // A configured tenant's share (weight, rate) stays; one that only labels
+  // flows goes with its last flow (labels come from clients: they must not
+  // accumulate).
+  if (--s.tenant->flows == 0 && !s.tenant->configured) tenants_.erase(s.label.tenant);
   s = FlowState{};
   free_.push_back(f);
 }
@@ -171,9 +177,12 @@ bool FlowScheduler::next(uint64_t now, Flow& flow, uint64_t& budget) {
       best_id = f;
     }
   }
+  // served() charges the control budget for this grant only (a caller that
+  // does not serve it, an engine host yielding to the flow's owner, leaves
+  // nothing behind for the next grant).
+  control_grant_ = control ? control_id : no_flow;
   if (control) {
     flow = control_id;
-    control_grant_ = control_id;  // served() charges its control budget
   } else if (best) {
     flow = best_id;
   } else {

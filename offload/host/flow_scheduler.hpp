@@ -7,6 +7,7 @@
 //      control budget (control_rate_fraction of the link, at least
 //      min_control_rate) so that a tenant cannot starve others by marking
 //      its bulk traffic as control; beyond it they queue like any class.
+//      (Without a link rate the budget is min_control_rate.)
 //   2. Weighted fair sharing, hierarchical and work-conserving: tenants by
 //      their weight, the jobs of a tenant by the job's weight, the flows of
 //      a job equally. Start-time fair queueing on virtual times: a flow
@@ -73,7 +74,7 @@ class FlowScheduler {
   // packets of 4 KiB, one GSO message.
   static constexpr uint64_t quantum_bytes = 64 * 1024;
   static constexpr double control_rate_fraction = 0.05;
-  static constexpr uint64_t min_control_rate = 10'000'000;  // bytes/s, when the link has no rate
+  static constexpr uint64_t min_control_rate = 10'000'000;  // bytes/s: the budget when the link has no rate
   // A flow, job or tenant that had nothing due for less than this keeps its
   // virtual time (its place) when it has again: a window-limited flow
   // flutters between due and not due every round trip, and restarting it at
@@ -108,6 +109,7 @@ class FlowScheduler {
   uint64_t eligible_at(Flow, uint64_t now);
 
   const void* owner(Flow f) const { return flows_[f].owner; }
+  size_t tenant_count() const { return tenants_.size(); }
   const FlowLabel& label(Flow f) const { return flows_[f].label; }
   const FlowWaits& waits(Flow f) const { return flows_[f].waits; }
 
@@ -143,6 +145,7 @@ class FlowScheduler {
     double vtime = 0, job_vnow = 0;
     uint64_t idle_since = 0;
     uint32_t ready = 0, flows = 0;
+    bool configured = false;  // set_tenant gave it a share
     std::unordered_map<std::string, Job> jobs;
   };
   struct FlowState {

@@ -184,6 +184,10 @@ class Host {
   // The last failed request (registration, attach) passed the tenant's
   // quota in the engine daemon (its tenants file), not a local check.
   virtual bool quota_refused_locked() const { return false; }
+  // The partition key of the tenant the context opened as, when the engine
+  // daemon's tenants file assigns it (the daemon refuses QPs with another);
+  // 0: the application assigns its keys.
+  virtual uint16_t tenant_pkey() const { return 0; }
   // The flow scheduler's share of a tenant (weight, rate limit); false where
   // the placement has no scheduler for this application's tenants (the
   // daemon).

@@ -145,6 +145,7 @@ std::optional<SocketError> RemoteHost::open(const HostOptions& options) {
   gso_ = reply.gso;
   gro_ = reply.gro;
   daemon_pid_ = reply.daemon_pid;
+  tenant_pkey_ = uint16_t(reply.tenant_pkey);
   // The daemon reads and writes registered memory through /proc/PID/mem,
   // which Yama's ptrace_scope 1 allows only to a declared tracer.
   // (Without Yama this fails harmlessly; a daemon with CAP_SYS_PTRACE needs
@@ -163,6 +164,7 @@ int RemoteHost::fd() const {
 
 bool RemoteHost::call_locked(const void* request, size_t length, Reply& reply, std::string& error, const int* fds,
                              int fd_count) const {
+  quota_refused_ = false;  // this request's answer, not an earlier one's
   if (dead_) {
     error = "stellar-engined at " + path_ + " is gone";
     return false;
@@ -198,7 +200,6 @@ bool RemoteHost::call_locked(const void* request, size_t length, Reply& reply, s
     error = "stellar-engined at " + path_ + ": " + why;
     return false;
   }
-  quota_refused_ = false;
   if (reply.ok != 1) {
     denied_ = reply.denied == refused_user || reply.denied == refused_tenant;
     quota_refused_ = reply.denied == refused_quota;
@@ -255,7 +256,11 @@ Host::Engine* RemoteHost::attach_locked(const off::EngineConfig& config, const s
   r.access = binding.access;
   r.traffic_class = binding.label.traffic_class;
   r.dscp = binding.dscp;
-  std::memcpy(r.job, binding.label.job.data(), std::min(binding.label.job.size(), sizeof r.job - 1));
+  if (binding.label.job.size() >= sizeof r.job) {
+    error = "job name longer than " + std::to_string(sizeof r.job - 1) + " bytes";
+    return nullptr;
+  }
+  std::memcpy(r.job, binding.label.job.data(), binding.label.job.size());
   r.job_weight = std::max<uint32_t>(binding.label.job_weight, 1);
   r.step_period_ns = binding.label.step_period_ns;
   r.deadline_ns = binding.label.deadline_ns;

@@ -69,6 +69,7 @@ class RemoteHost final : public Host {
   uint64_t next_wakeup_locked(uint64_t now_ns) override;
   HostCounters counters_locked() const override;
   bool quota_refused_locked() const override { return quota_refused_; }
+  uint16_t tenant_pkey() const override { return tenant_pkey_; }
   // The daemon owns the sockets and follows its address itself
   // (HostOptions::follow_address); a context cannot move it.
   std::optional<std::string> rebind_locked(const std::string&, uint64_t) override {
@@ -112,7 +113,8 @@ class RemoteHost final : public Host {
   uint32_t daemon_pid_ = 0;
   mutable std::atomic<bool> dead_{false};  // read without the lock by sleep_until_work
   mutable bool denied_ = false;  // the daemon refused our credentials (uid, or tenant)
-  mutable bool quota_refused_ = false;  // the last request passed the tenant's quota in the daemon
+  mutable bool quota_refused_ = false;
+  uint16_t tenant_pkey_ = 0;  // the daemon's tenants file: our tenant's partition key  // the last request passed the tenant's quota in the daemon
   uint64_t next_liveness_check_ns_ = 0;
   std::unordered_map<uint32_t, std::unique_ptr<Engine>> engines_;  // by the daemon's handle
   HostCounters retired_{};  // last counters the daemon gave, kept after it died

@@ -70,7 +70,8 @@ std::optional<std::map<std::string, TenantEntry>> load_tenants_file(const std::s
       };
       auto range = [&](uint64_t max) { return bad(where + "." + key + " is not an integer in [0, " + std::to_string(max) + "]"); };
       if (key == "name" || key == "credential") {
-        if (!v.is_string() || v.get<std::string>().size() > 256) return bad(where + "." + key + " is not a string of at most 256 bytes");
+        if (!v.is_string() || v.get<std::string>().size() > 256 || v.get<std::string>().find('\0') != std::string::npos)
+          return bad(where + "." + key + " is not a string of at most 256 bytes without NUL");
         (key == "name" ? name : o.credential) = v.get<std::string>();
       } else if (key == "pkey") {
         if (!unsigned_value(0xfffe)) return range(0xfffe);

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -15,6 +16,7 @@
 #include <fstream>
 #include <map>
 #include <thread>
+#include <tuple>
 
 #include "engined_process.hpp"
 #include "stellar/stellar.hpp"
@@ -478,10 +480,25 @@ TEST(Tenants, WeightsAndRateLimitsNeedTheInProcessEngineHost) {
 namespace {
 
 const char* daemon_tenants = R"({"tenants": [
-  {"name": "one", "credential": "one-secret", "weight": 1},
-  {"name": "three", "credential": "three-secret", "weight": 3},
-  {"name": "small", "credential": "small-secret", "max_qps": 1, "max_registered_bytes": 8192}
+  {"name": "one", "credential": "one-secret", "weight": 1, "pkey": 36865},
+  {"name": "three", "credential": "three-secret", "weight": 3, "pkey": 36867},
+  {"name": "small", "credential": "small-secret", "max_qps": 1, "max_registered_bytes": 8192},
+  {"name": "spare", "credential": "spare-secret"}
 ]})";
+// The keys the daemon gives the tenants without one: from 0x8001 in name order.
+constexpr uint16_t small_pkey = 0x8001, spare_pkey = 0x8002;
+
+// An in-process context (the daemon's tenants' peers) with `tenant` on `pkey`.
+std::shared_ptr<Context> peer_context(const std::string& tenant, uint16_t pkey) {
+  ContextOptions o;
+  o.progress = ProgressMode::thread;
+  o.wait = WaitPolicy::adaptive;
+  auto c = Context::open(o).value();
+  TenantOptions t;
+  t.pkey = pkey;
+  EXPECT_TRUE(c->create_tenant(tenant, t).ok());
+  return c;
+}
 
 ContextOptions in_daemon(const test::Engined& daemon, const std::string& tenant, const std::string& credential) {
   ContextOptions o = daemon.options();
@@ -533,6 +550,52 @@ TEST(TenantsInDaemon, TheDaemonServesOnlyItsTenantsWithTheirCredentials) {
   EXPECT_TRUE(daemon.alive());
 }
 
+TEST(TenantsInDaemon, EachTenantHasTheDaemonsPartitionKey) {
+  // The daemon's file assigns the keys (listed ones, then from 0x8001 in
+  // name order) and tells each application its own; a QP of another
+  // partition is refused at attach, so that tenants cannot share one.
+  TenantsFile file(daemon_tenants);
+  test::Engined daemon({"--tenants", file.path});
+  const std::tuple<const char*, const char*, uint16_t> cases[] = {
+      {"one", "one-secret", 36865}, {"small", "small-secret", small_pkey}, {"spare", "spare-secret", spare_pkey}};
+  for (auto [tenant, credential, pkey] : cases) {
+    auto ctx = Context::open(in_daemon(daemon, tenant, credential)).value();
+    auto pd = ctx->allocate_pd().value();
+    auto cq = ctx->create_cq(16).value();
+    QpInitAttributes attr;
+    attr.send_cq = attr.recv_cq = cq;
+    EXPECT_EQ(pd->create_qp(attr).value()->local_endpoint().pkey, pkey) << tenant;
+  }
+  // An application that gives itself another tenant (its own partition) is
+  // refused by the daemon when the QP attaches.
+  auto ctx = Context::open(in_daemon(daemon, "spare", "spare-secret")).value();
+  TenantOptions other;
+  other.pkey = 36867;  // tenant three's
+  ASSERT_TRUE(ctx->create_tenant("impostor", other).ok());
+  auto peer = peer_context("three", 36867);
+  std::shared_ptr<QueuePair> a, b;
+  Status st = connect_qps(*ctx->allocate_pd("impostor").value(), *peer->allocate_pd("three").value(), ctx->create_cq(16).value(),
+                          peer->create_cq(16).value(), a, b);
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("is not tenant 'spare''s"), std::string::npos) << st.to_string();
+  EXPECT_TRUE(daemon.alive());
+}
+
+TEST(TenantsInDaemon, ADeadDaemonAfterAQuotaRefusalIsNotReportedAsAQuota) {
+  TenantsFile file(daemon_tenants);
+  test::Engined daemon({"--tenants", file.path});
+  auto ctx = Context::open(in_daemon(daemon, "small", "small-secret")).value();
+  auto pd = ctx->allocate_pd().value();
+  static uint8_t memory[16384];
+  auto over = pd->register_memory(memory, 16384, access_local_write);
+  ASSERT_FALSE(over);
+  EXPECT_EQ(over.status().code(), Errc::resource_exhausted);
+  daemon.stop(SIGKILL);
+  auto gone = pd->register_memory(memory, 4096, access_local_write);
+  ASSERT_FALSE(gone);
+  EXPECT_NE(gone.status().code(), Errc::resource_exhausted) << gone.status().to_string();
+}
+
 TEST(TenantsInDaemon, QuotasHoldOverAllTheTenantsApplications) {
   TenantsFile file(daemon_tenants);
   test::Engined daemon({"--tenants", file.path});
@@ -540,10 +603,8 @@ TEST(TenantsInDaemon, QuotasHoldOverAllTheTenantsApplications) {
   // which know nothing of them: the daemon holds the file.
   auto first = Context::open(in_daemon(daemon, "small", "small-secret")).value();
   auto second = Context::open(in_daemon(daemon, "small", "small-secret")).value();
-  ContextOptions peer_options;
-  peer_options.tenant = "small";  // same partition key as theirs (the first assigned)
-  auto peer = Context::open(peer_options).value();
-  auto pd1 = first->allocate_pd().value(), pd2 = second->allocate_pd().value(), pdp = peer->allocate_pd().value();
+  auto peer = peer_context("small", small_pkey);
+  auto pd1 = first->allocate_pd().value(), pd2 = second->allocate_pd().value(), pdp = peer->allocate_pd("small").value();
   static uint8_t memory[3][8192];
   auto mr1 = pd1->register_memory(memory[0], 8192, access_local_write);
   ASSERT_TRUE(mr1) << mr1.status().to_string();
@@ -584,20 +645,19 @@ TEST(TenantsInDaemon, TheDaemonSharesItsRateByTenantWeightAcrossApplications) {
   // weight's share (each application alone would take all of it).
   constexpr double rate = 12e6;
   TenantsFile file(daemon_tenants);
-  test::Engined daemon({"--tenants", file.path, "--tx-rate", "12000000"});
-  const std::pair<const char*, const char*> tenants[] = {{"one", "one-secret"}, {"three", "three-secret"}};
+  // One shard (the default, said here because the test depends on it):
+  // a tenant's contexts share one, different tenants may not.
+  test::Engined daemon({"--tenants", file.path, "--tx-rate", "12000000", "--cores", "1"});
+  const std::tuple<const char*, const char*, uint16_t> tenants[] = {{"one", "one-secret", 36865}, {"three", "three-secret", 36867}};
   std::shared_ptr<Context> senders[2], receivers[2];
   Stream streams[2];
   for (int i = 0; i < 2; ++i) {
-    ContextOptions o = in_daemon(daemon, tenants[i].first, tenants[i].second);
+    auto [tenant, credential, pkey] = tenants[i];
+    ContextOptions o = in_daemon(daemon, tenant, credential);
     o.congestion_control = CongestionControl::none;  // backlogged at the scheduler, not window-limited
     senders[i] = Context::open(o).value();
-    ContextOptions r;
-    r.tenant = tenants[i].first;  // the same partition key as the sender's tenant
-    r.progress = ProgressMode::thread;
-    r.wait = WaitPolicy::adaptive;
-    receivers[i] = Context::open(r).value();
-    connect_stream(*senders[i], *receivers[i], tenants[i].first, streams[i], JobHints{"train", TrafficKind::gradient_allreduce});
+    receivers[i] = peer_context(tenant, pkey);
+    connect_stream(*senders[i], *receivers[i], tenant, streams[i], JobHints{"train", TrafficKind::gradient_allreduce});
   }
   auto sent = [&](int i) { return double(senders[i]->counters().tx_bytes); };
   const auto start = std::chrono::steady_clock::now();

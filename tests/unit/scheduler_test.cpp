@@ -172,6 +172,42 @@ TEST(FlowScheduler, BulkMarkedAsControlGetsPriorityOnlyWithinTheControlBudget) {
   EXPECT_GT(honest_share, 0.45);
 }
 
+TEST(FlowScheduler, OnASlowLinkControlClassBulkDoesNotBeatTheTenantsWeight) {
+  // 12 MB/s: a control budget with a 10 MB/s floor would give a weight-1
+  // tenant that marks its bulk as control 10 of the 12 MB/s. The budget is
+  // 5% of the link, and control grants are charged to the tenant's share
+  // like any other: priority changes the order, not the share.
+  Simulation sim;
+  sim.s.set_link_rate(12'000'000, 65536, 0);
+  sim.s.set_tenant("liar", TenantShare{1, 0, 0}, 0);
+  sim.s.set_tenant("honest", TenantShare{3, 0, 0}, 0);
+  const auto liar = sim.s.add(FlowLabel{"liar", "", 1, stellar::host::control_class}, 0);
+  const auto honest = sim.s.add(FlowLabel{"honest", "", 1, 3}, 0);
+  sim.s.ready(liar, 0);
+  sim.s.ready(honest, 0);
+  sim.run_until(2000 * ms);
+  const double liar_share = double(sim.sent[liar]) / double(sim.sent[honest] + sim.sent[liar]);
+  EXPECT_NEAR(liar_share, 0.25, 0.02);
+}
+
+TEST(FlowScheduler, LabelsOfGoneFlowsDoNotAccumulate) {
+  // Tenant names that only label flows (the daemon without a tenants file)
+  // go with their last flow; a configured tenant's share stays.
+  Simulation sim;
+  sim.s.set_link_rate(1'000'000'000, 65536, 0);
+  sim.s.set_tenant("configured", TenantShare{4, 0, 0}, 0);
+  for (int i = 0; i < 1000; ++i) sim.s.remove(sim.s.add(FlowLabel{"label" + std::to_string(i), "", 1, 3}, 0));
+  EXPECT_EQ(sim.s.tenant_count(), 1u);
+  const auto a = sim.s.add(FlowLabel{"configured", "", 1, 3}, 0);
+  const auto b = sim.s.add(FlowLabel{"label", "", 1, 3}, 0);
+  sim.s.remove(a);
+  sim.s.ready(b, 0);
+  const auto c = sim.s.add(FlowLabel{"configured", "", 1, 3}, 0);
+  sim.s.ready(c, 0);
+  sim.run_until(10 * ms);
+  EXPECT_NEAR(double(sim.sent[c]) / double(sim.sent[b]), 4.0, 0.2);  // its weight survived
+}
+
 TEST(FlowScheduler, JobWeightsSplitATenantsShare) {
   Simulation sim;
   sim.s.set_link_rate(1'000'000'000, 65536, 0);

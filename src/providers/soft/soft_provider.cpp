@@ -340,6 +340,7 @@ class SoftContext final : public Context, public host::HostClient {
     if (options_.tenant.empty()) return Status::success();
     TenantOptions o;
     o.credential = options_.credential;
+    o.pkey = host_->tenant_pkey();  // the engine daemon's tenants file decides it (0: we do)
     return open_tenant_locked(options_.tenant, o);
   }
 
@@ -353,6 +354,9 @@ class SoftContext final : public Context, public host::HostClient {
         ++t.credential_refusals;
         return Status(Errc::permission_denied, "tenant '" + name + "': " + (o.credential.empty() ? "no credential given" : "wrong credential"));
       }
+      if (o.pkey && o.pkey != t.pkey)
+        return Status(Errc::invalid_argument, "tenant '" + name + "': partition key " + std::to_string(t.pkey) +
+                                                  " here, " + std::to_string(o.pkey) + " in the engine daemon's tenants file");
       if (daemon() && (t.options.weight > 1 || t.options.rate_bytes_per_s))
         return Status(Errc::unsupported, "tenant '" + name + "': its weight and rate limit are applied by the in-process engine "
                                          "host; in the daemon placement give them in the daemon's tenants file "
@@ -1201,6 +1205,12 @@ Result<std::shared_ptr<QueuePair>> SoftPd::create_qp(const QpInitAttributes& att
     return Status(Errc::invalid_argument, "create_qp: at most " + std::to_string(offload::max_segments) + " SGEs");
   if (c.max_inline_data > offload::max_inline_bytes)
     return Status(Errc::invalid_argument, "create_qp: max_inline_data above " + std::to_string(offload::max_inline_bytes));
+  // The hints' bounds are the text form's (JobHints::parse), so that every
+  // placement carries them whole (the daemon's attach has room for these).
+  const JobHints& h = attr.hints ? *attr.hints : context_->options_.hints;
+  constexpr auto day = std::chrono::hours(24);
+  if (h.job.size() > 128 || h.step_period > day || h.deadline > day || h.step_period.count() < 0 || h.deadline.count() < 0)
+    return Status(Errc::invalid_argument, "create_qp: hints: job name over 128 bytes, or step period or deadline outside [0, 24 h]");
   std::shared_ptr<SoftQp> qp;
   {
     std::lock_guard lock(context_->mutex_);
