@@ -6,6 +6,9 @@
 # the rate between the two applications. Prints, per round and as medians:
 # the ping-pong's p50/p99 alone and beside the hog (ratio: goal <= 1.2), and
 # the hog's bandwidth alone and beside the ping-pong (ratio: goal >= 0.9).
+# Then a 2-rank 1 MiB allreduce loop of tenant "train" (weight 16) alone and
+# beside a checkpoint stream of tenant "ckpt" (weight 1): the allreduce's
+# time per iteration (ratio: goal <= 1.1) and what the checkpoint got.
 # Usage: bench/isolation.sh BUILD_DIR [ROUNDS] [TX_RATE_BYTES_PER_S]
 set -euo pipefail
 build=${1:-build}
@@ -17,12 +20,14 @@ engined=$build/stellar-engined
 dir=$(mktemp -d /tmp/stellar-isolation-XXXXXX)
 trap 'kill $daemon 2>/dev/null; wait $daemon 2>/dev/null; rm -rf "$dir"' EXIT
 cat > "$dir/tenants.json" <<'JSON'
-{"tenants": [{"name": "lat", "credential": "lat-secret"}, {"name": "hog", "credential": "hog-secret"}]}
+{"tenants": [{"name": "lat", "credential": "lat-secret"}, {"name": "hog", "credential": "hog-secret"},
+             {"name": "train", "credential": "train-secret", "weight": 16}, {"name": "ckpt", "credential": "ckpt-secret"}]}
 JSON
 "$engined" --socket "$dir/sock" --tenants "$dir/tenants.json" --tx-rate "$rate" --wait adaptive --foreground 2> "$dir/daemon.log" &
 daemon=$!
 for _ in $(seq 100); do [ -S "$dir/sock" ] && break; sleep 0.05; done
 export STELLAR_ENGINE=daemon STELLAR_ENGINED_SOCKET=$dir/sock
+ar=$build/examples/stellar_allreduce
 port=$((30000 + RANDOM % 10000))
 
 pingpong() {  # -> "p50 p99" one-way µs (t_typical, 99% percentile)
@@ -33,13 +38,18 @@ pingpong() {  # -> "p50 p99" one-way µs (t_typical, 99% percentile)
     awk '$1 == 8 {print $5, $8}'
   wait $s
 }
-hog_start() {  # starts the hog for SECONDS; its MB/s average lands in $dir/hog
+hog_start() {  # SECONDS [TENANT]: starts the hog; its MB/s average lands in $dir/hog
   port=$((port + 1))
-  STELLAR_TENANT_CREDENTIAL=hog-secret "$bw" -p $port -s 65536 -D "$1" --wait adaptive --tenant hog --hint checkpoint > /dev/null &
+  local t=${2:-hog}
+  STELLAR_TENANT_CREDENTIAL=$t-secret "$bw" -p $port -s 65536 -D "$1" --wait adaptive --tenant "$t" --hint checkpoint > /dev/null &
   hog_server=$!
-  STELLAR_TENANT_CREDENTIAL=hog-secret "$bw" 127.0.0.1 -p $port -s 65536 -D "$1" --wait adaptive --tenant hog --hint checkpoint |
+  STELLAR_TENANT_CREDENTIAL=$t-secret "$bw" 127.0.0.1 -p $port -s 65536 -D "$1" --wait adaptive --tenant "$t" --hint checkpoint |
     awk '$1 == 65536 {print $4}' > "$dir/hog" &
   hog_client=$!
+}
+allreduce() {  # -> µs per 1 MiB allreduce (2 ranks, tenant train)
+  STELLAR_TENANT_CREDENTIAL=train-secret "$ar" -N 2 -b 1M -e 1M -n 100 -w 5 --wait adaptive --tenant train |
+    awk '$1 == 1048576 {print $5}'
 }
 hog_wait() { wait $hog_client $hog_server; }  # not in $(...): a subshell cannot wait for our children
 
@@ -50,7 +60,7 @@ for r in $(seq "$rounds"); do
   hog_start 4; sleep 1
   read -r with50 with99 < <(pingpong)
   hog_wait; hog_with=$(cat "$dir/hog")
-  hog_start 3; hog_wait; hog_alone=$(cat "$dir/hog")
+  hog_start 4; hog_wait; hog_alone=$(cat "$dir/hog")
   echo "$alone50 $alone99 $with50 $with99 $hog_alone $hog_with" >> "$dir/results"
   echo "round $r: ping-pong p50/p99 alone $alone50/$alone99 us, beside the hog $with50/$with99 us;" \
        "hog alone $hog_alone MB/s, beside the ping-pong $hog_with MB/s"
@@ -61,3 +71,15 @@ echo "medians over $rounds rounds (daemon --tx-rate $rate, one shard):"
 echo "  ping-pong p50 alone $a50 us, beside hog $w50 us: ratio $(awk -v a="$a50" -v b="$w50" 'BEGIN {printf "%.2f", b / a}')"
 echo "  ping-pong p99 alone $a99 us, beside hog $w99 us: ratio $(awk -v a="$a99" -v b="$w99" 'BEGIN {printf "%.2f", b / a}') (goal <= 1.2)"
 echo "  hog alone $ha MB/s, beside ping-pong $hw MB/s: ratio $(awk -v a="$ha" -v b="$hw" 'BEGIN {printf "%.2f", b / a}') (goal >= 0.9)"
+
+: > "$dir/results"
+for r in $(seq "$rounds"); do
+  alone=$(allreduce)
+  hog_start 8 ckpt; sleep 1
+  beside=$(allreduce)
+  hog_wait; ckpt=$(cat "$dir/hog")
+  echo "$alone $beside $ckpt" >> "$dir/results"
+  echo "round $r: allreduce 1 MiB alone $alone us, beside the checkpoint $beside us; checkpoint $ckpt MB/s"
+done
+a=$(col 1) b=$(col 2) c=$(col 3)
+echo "  allreduce 1 MiB alone $a us, beside checkpoint $b us: ratio $(awk -v a="$a" -v b="$b" 'BEGIN {printf "%.2f", b / a}') (goal <= 1.1); checkpoint got $c MB/s"
