@@ -9,6 +9,11 @@
 # Then a 2-rank 1 MiB allreduce loop of tenant "train" (weight 16) alone and
 # beside a checkpoint stream of tenant "ckpt" (weight 1): the allreduce's
 # time per iteration (ratio: goal <= 1.1) and what the checkpoint got.
+# Last, the same allreduce beside misbehaviour: malformed datagrams sprayed
+# at the allreduce's own UDP ports in the daemon, and a tenant "bad" whose
+# streams are killed (kill -9) again and again mid-transfer (goal: the
+# allreduce's time moves by at most 5%; "bad" has weight 1, so its streams
+# while alive take their share as the checkpoint's do).
 # Usage: bench/isolation.sh BUILD_DIR [ROUNDS] [TX_RATE_BYTES_PER_S]
 set -euo pipefail
 build=${1:-build}
@@ -21,7 +26,8 @@ dir=$(mktemp -d /tmp/stellar-isolation-XXXXXX)
 trap 'kill $daemon 2>/dev/null; wait $daemon 2>/dev/null; rm -rf "$dir"' EXIT
 cat > "$dir/tenants.json" <<'JSON'
 {"tenants": [{"name": "lat", "credential": "lat-secret"}, {"name": "hog", "credential": "hog-secret"},
-             {"name": "train", "credential": "train-secret", "weight": 16}, {"name": "ckpt", "credential": "ckpt-secret"}]}
+             {"name": "train", "credential": "train-secret", "weight": 16}, {"name": "ckpt", "credential": "ckpt-secret"},
+             {"name": "bad", "credential": "bad-secret"}]}
 JSON
 "$engined" --socket "$dir/sock" --tenants "$dir/tenants.json" --tx-rate "$rate" --wait adaptive --foreground 2> "$dir/daemon.log" &
 daemon=$!
@@ -83,3 +89,62 @@ for r in $(seq "$rounds"); do
 done
 a=$(col 1) b=$(col 2) c=$(col 3)
 echo "  allreduce 1 MiB alone $a us, beside checkpoint $b us: ratio $(awk -v a="$a" -v b="$b" 'BEGIN {printf "%.2f", b / a}') (goal <= 1.1); checkpoint got $c MB/s"
+
+daemon_ports() { ss -Hulpn | awk -v p="pid=$daemon," 'index($0, p) {n = split($4, a, ":"); print a[n]}' | sort; }
+# Malformed datagrams at PORTS for SECONDS, as fast as one Python sender can.
+spray() {
+  python3 - "$1" $2 <<'PY' &
+import os, socket, sys, time
+end = time.time() + float(sys.argv[1])
+ports = [int(p) for p in sys.argv[2:]]
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+n = 0
+errors = {}
+while time.time() < end:
+    for p in ports:
+        try:
+            s.sendto(os.urandom(64), ("127.0.0.1", p))
+            n += 1
+        except OSError as e:
+            errors[e.strerror] = errors.get(e.strerror, 0) + 1
+print(n, "sent", *(f"{k}: {v}" for k, v in errors.items()), file=open(os.environ["SPRAY_COUNT"], "w"))
+PY
+  spray_pid=$!
+}
+crashes() {  # SECONDS: tenant bad's stream, killed -9 every 0.5 s and started again
+  local end=$((SECONDS + $1))
+  while [ $SECONDS -lt $end ]; do
+    hog_start 10 bad; sleep 0.5
+    kill -9 $hog_client $hog_server 2>/dev/null || true
+    wait $hog_client $hog_server 2>/dev/null || true
+  done
+}
+export SPRAY_COUNT=$dir/spray
+: > "$dir/results"
+for r in $(seq "$rounds"); do
+  alone=$(allreduce)
+  # At the victim's own ports: the daemon's sockets that appear once the
+  # allreduce's ranks have opened their contexts (they bootstrap first).
+  daemon_ports > "$dir/ports-before"
+  allreduce > "$dir/sprayed" & victim=$!
+  targets=""
+  for _ in $(seq 300); do
+    targets=$(daemon_ports | comm -13 "$dir/ports-before" - | tr '\n' ' ')
+    [ "$(echo $targets | wc -w)" -ge 2 ] && break
+    sleep 0.01
+  done
+  spray 5 "$targets"
+  wait $victim; sprayed=$(cat "$dir/sprayed")
+  wait $spray_pid
+  crashes 6 & crasher=$!
+  sleep 1
+  crashed=$(allreduce)
+  wait $crasher
+  echo "$alone $sprayed $crashed" >> "$dir/results"
+  echo "round $r: allreduce 1 MiB alone $alone us, beside a malformed spray $sprayed us ($(cat "$dir/spray") datagrams in 5 s)," \
+       "beside a tenant killed -9 every 0.5 s $crashed us"
+done
+a=$(col 1) b=$(col 2) c=$(col 3)
+echo "  allreduce beside malformed spray: ratio $(awk -v a="$a" -v b="$b" 'BEGIN {printf "%.2f", b / a}');" \
+     "beside crashing tenant: ratio $(awk -v a="$a" -v b="$c" 'BEGIN {printf "%.2f", b / a}') (goal <= 1.05)"
+grep -c "gone; its QPs freed" "$dir/daemon.log" | sed 's/^/  daemon: contexts cleaned up after their client went: /'
