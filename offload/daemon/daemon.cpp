@@ -972,6 +972,27 @@ Reply Session::respond_locked(MessageType type, const uint8_t* message, size_t l
       out.sessions = stats_.sessions.load();
       out.engines = stats_.engines.load();
       break;
+    case MessageType::flow_report: {
+      HandleRequest r;
+      if (length != sizeof r) {
+        out = reply(false, "malformed flow_report request");
+        break;
+      }
+      std::memcpy(&r, message, sizeof r);
+      // This context's rows (its QPs, live and detached), by job and class.
+      const std::vector<FlowReport> rows = host_.flow_report_locked();
+      out = reply(true);
+      out.rows = uint32_t(rows.size());
+      if (r.handle < rows.size()) {
+        const FlowReport& row = rows[r.handle];
+        out.traffic_class = row.label.traffic_class;
+        out.engines = row.engines;
+        out.counters.engines = row.counters;
+        out.waits = row.waits;
+        std::snprintf(out.message, sizeof out.message, "%s", row.label.job.c_str());
+      }
+      break;
+    }
     default:
       out = reply(false, "unknown request type %u", unsigned(type));
       break;

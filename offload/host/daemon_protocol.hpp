@@ -51,6 +51,7 @@ enum class MessageType : uint32_t {
   enter_error,     // synchronous: the QP's work is flushed into the completion ring before the reply
   flush_acknowledgements,
   counters,
+  flow_report,     // HandleRequest: `handle` is the row (tenant, job, class) asked for, from 0
   reply = 100,
 };
 
@@ -165,6 +166,12 @@ struct Reply {
   // far (ring and overflow), the flushed ones included: the client has
   // seen them all once its completion head reaches this.
   uint64_t completions_produced = 0;
+  // flow_report: the rows there are, and row `handle`'s class and waits
+  // (its counters in `counters.engines`, its engines in `engines`, its job
+  // in `message`).
+  uint32_t rows = 0;
+  uint32_t traffic_class = 0;
+  FlowWaits waits{};
   char message[512] = {};   // !ok: why
 };
 

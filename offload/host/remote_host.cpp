@@ -146,6 +146,7 @@ std::optional<SocketError> RemoteHost::open(const HostOptions& options) {
   gro_ = reply.gro;
   daemon_pid_ = reply.daemon_pid;
   tenant_pkey_ = uint16_t(reply.tenant_pkey);
+  tenant_ = options.tenant;
   // The daemon reads and writes registered memory through /proc/PID/mem,
   // which Yama's ptrace_scope 1 allows only to a declared tracer.
   // (Without Yama this fails harmlessly; a daemon with CAP_SYS_PTRACE needs
@@ -548,6 +549,32 @@ HostCounters RemoteHost::counters_locked() const {
   auto& self = const_cast<RemoteHost&>(*this);
   if (call_locked(&r, sizeof r, reply, error)) self.retired_ = reply.counters;
   return retired_;
+}
+
+std::vector<FlowReport> RemoteHost::flow_report_locked() const {
+  // Row by row (a reply is one fixed message); the daemon's rows are this
+  // context's, under the tenant it opened as. A row count that changes
+  // between calls (a QP attached meanwhile) only cuts the report short.
+  std::vector<FlowReport> out;
+  for (uint32_t i = 0; i < 4096; ++i) {
+    HandleRequest r;
+    r.h = {uint32_t(MessageType::flow_report), sizeof r};
+    r.handle = i;
+    Reply reply;
+    std::string error;
+    if (!call_locked(&r, sizeof r, reply, error) || i >= reply.rows) break;
+    FlowReport row;
+    row.label.tenant = tenant_;
+    reply.message[sizeof reply.message - 1] = 0;
+    row.label.job = reply.message;
+    row.label.traffic_class = uint8_t(std::min<uint32_t>(reply.traffic_class, 7));
+    row.engines = reply.engines;
+    row.counters = reply.counters.engines;
+    row.waits = reply.waits;
+    out.push_back(std::move(row));
+    if (i + 1 >= reply.rows) break;
+  }
+  return out;
 }
 
 void RemoteHost::kick() {

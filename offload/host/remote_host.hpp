@@ -70,6 +70,7 @@ class RemoteHost final : public Host {
   HostCounters counters_locked() const override;
   bool quota_refused_locked() const override { return quota_refused_; }
   uint16_t tenant_pkey() const override { return tenant_pkey_; }
+  std::vector<FlowReport> flow_report_locked() const override;
   // The daemon owns the sockets and follows its address itself
   // (HostOptions::follow_address); a context cannot move it.
   std::optional<std::string> rebind_locked(const std::string&, uint64_t) override {
@@ -114,7 +115,8 @@ class RemoteHost final : public Host {
   mutable std::atomic<bool> dead_{false};  // read without the lock by sleep_until_work
   mutable bool denied_ = false;  // the daemon refused our credentials (uid, or tenant)
   mutable bool quota_refused_ = false;
-  uint16_t tenant_pkey_ = 0;  // the daemon's tenants file: our tenant's partition key  // the last request passed the tenant's quota in the daemon
+  uint16_t tenant_pkey_ = 0;
+  std::string tenant_;        // the tenant the context opened as (its flow report's rows)  // the daemon's tenants file: our tenant's partition key  // the last request passed the tenant's quota in the daemon
   uint64_t next_liveness_check_ns_ = 0;
   std::unordered_map<uint32_t, std::unique_ptr<Engine>> engines_;  // by the daemon's handle
   HostCounters retired_{};  // last counters the daemon gave, kept after it died

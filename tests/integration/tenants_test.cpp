@@ -11,6 +11,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -679,4 +680,17 @@ TEST(TenantsInDaemon, TheDaemonSharesItsRateByTenantWeightAcrossApplications) {
   EXPECT_NEAR(three / one, 3.0, 0.3) << "one " << one << " three " << three;
   EXPECT_LE(end[0] + end[1], rate * elapsed * 1.05 + 1e6);
   EXPECT_GT(end[0] + end[1], rate * elapsed * 0.6);
+  // The daemon reports each context's (job, class) rows, as in-process.
+  for (int i = 0; i < 2; ++i) {
+    const auto counters = senders[i]->tenant_counters();
+    auto mine = std::find_if(counters.begin(), counters.end(), [&](const TenantCounters& t) { return t.tenant == std::get<0>(tenants[i]); });
+    ASSERT_NE(mine, counters.end());
+    ASSERT_EQ(mine->traffic.size(), 1u);
+    const TrafficCounters& c = mine->traffic[0];
+    EXPECT_EQ(c.job, "train");
+    EXPECT_EQ(c.traffic_class, 4);
+    EXPECT_EQ(c.qps, 1u);
+    EXPECT_GT(c.tx_bytes, 0u);
+    EXPECT_GT(c.scheduler_grants, 0u);
+  }
 }
