@@ -46,7 +46,7 @@ struct Options {
   std::string cc = "auto";
   uint64_t line_rate_mbps = 0;  // 0: the context's default (ContextOptions::line_rate_bps)
   int timeout_ms = 30000;
-  std::string wait;
+  std::string wait = "auto";
   bool verbose = false;
   std::string tenant, hint;  // docs/scheduler.md
   uint64_t tx_rate = 0;      // bytes/s the flow scheduler shapes each rank to (0: none)
@@ -207,8 +207,14 @@ int run_rank(const Options& o, CommunicatorOptions co) {
     std::printf("# stellar_allreduce: nRanks %d minBytes %zu maxBytes %zu step: %s warmup iters: %d iters: %d validation: %d\n", comm.size(), *min_b,
                 *max_b, o.step_factor > 1 ? (std::to_string(o.step_factor) + "(factor)").c_str() : (std::to_string(*step_b) + "(bytes)").c_str(),
                 o.warmup, o.iterations, o.check);
+    // The wait policy that runs, and why (the communicator counts the ranks
+    // on this host at bootstrap: more than the CPUs means adaptive).
+    const CommunicatorCounters c = comm.counters();
+    const std::string wait = std::string(c.wait == WaitPolicy::busy_poll ? "busy" : "adaptive") + " (" + std::to_string(c.local_ranks) +
+                             " ranks on this host, " + std::to_string(c.cpus) + " CPUs" +
+                             (c.oversubscribed ? ": oversubscribed" : "") + (o.wait == "auto" ? "" : "; --wait " + o.wait) + ")";
     std::printf("# transport: provider %s, mode %s, cc %s, wait %s, algorithm %s, chunk %s, qps per peer %u\n#\n", o.provider.c_str(), o.mode.c_str(),
-                o.cc.c_str(), o.wait.c_str(), o.algorithm.c_str(), o.chunk.c_str(), o.qps);
+                o.cc.c_str(), wait.c_str(), o.algorithm.c_str(), o.chunk.c_str(), o.qps);
     std::printf("#                                              out-of-place                       in-place          \n");
     std::printf("#       size         count      type   redop     time   algbw   busbw #wrong     time   algbw   busbw #wrong\n");
     std::printf("#        (B)    (elements)                       (us)  (GB/s)  (GB/s)            (us)  (GB/s)  (GB/s)       \n");
@@ -307,8 +313,9 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1u, 16u));
   app.add_option("--timeout", o.timeout_ms, "fail a call after this long without progress (ms)");
   app.add_flag("-v,--verbose", o.verbose, "print each rank's transport counters at the end");
-  app.add_option("--wait", o.wait, "busy (spin: lowest latency, one core per rank) or adaptive (spin 50 us, then sleep); "
-                 "default: busy, or adaptive when -N forks more ranks than there are cores");
+  app.add_option("--wait", o.wait, "busy (spin: lowest latency, one core per rank), adaptive (spin 50 us, then sleep) or auto: "
+                 "busy, or adaptive when more ranks share this host than there are CPUs (counted at bootstrap)")
+      ->capture_default_str();
   app.add_option("--tenant", o.tenant, "Open the context as this tenant (its credential from STELLAR_TENANT_CREDENTIAL; docs/scheduler.md)");
   app.add_option("--hint", o.hint, "Job hints of the QPs: a kind (allreduce, all-to-all, parameter-fetch, kv-fetch, checkpoint, control) "
                  "or job=NAME,kind=KIND,priority=P,weight=W");
@@ -324,10 +331,9 @@ int main(int argc, char** argv) {
   if (!chunk) die("--chunk", chunk.status());
   base.context.mode = *mode;
   base.context.provider = *provider;
-  const bool oversubscribed = o.local_ranks > int(std::thread::hardware_concurrency());
-  if (o.wait.empty()) o.wait = oversubscribed ? "adaptive" : "busy";
-  if (o.wait != "busy" && o.wait != "adaptive") die("--wait", Status(Errc::invalid_argument, "busy or adaptive"));
-  base.context.wait = o.wait == "busy" ? WaitPolicy::busy_poll : WaitPolicy::adaptive;
+  if (o.wait != "auto" && o.wait != "busy" && o.wait != "adaptive") die("--wait", Status(Errc::invalid_argument, "auto, busy or adaptive"));
+  base.context.wait = o.wait == "adaptive" ? WaitPolicy::adaptive : WaitPolicy::busy_poll;
+  base.adapt_wait = o.wait == "auto";
   base.chunk_bytes = *chunk;
   base.qps_per_peer = o.qps;
   base.timeout = std::chrono::milliseconds(o.timeout_ms);

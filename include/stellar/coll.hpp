@@ -78,12 +78,21 @@ struct CommunicatorOptions {
   // peer's traffic over several paths; on the soft provider all QPs of a
   // rank share its UDP socket (one flow). Must agree across ranks. [1, 16]
   uint32_t qps_per_peer = 1;
+  // Oversubscription: when more ranks share this host (the same kernel, as
+  // the ranks tell each other at bootstrap) than this process may run on
+  // CPUs (its affinity mask; with ProgressMode::thread two threads a rank),
+  // a busy-polling context switches to WaitPolicy::adaptive, as Open MPI
+  // yields when oversubscribed: spinning ranks would take each other's
+  // cores. false: keep context.wait whatever the count (the caller chose).
+  bool adapt_wait = true;
 
   // Reads the launcher's environment on top of `base`: torchrun's RANK,
   // WORLD_SIZE, MASTER_ADDR, MASTER_PORT; mpirun's OMPI_COMM_WORLD_RANK and
   // OMPI_COMM_WORLD_SIZE (with MASTER_ADDR/MASTER_PORT, or their defaults
-  // above); STELLAR_COLL_TIMEOUT_MS and STELLAR_COLL_QPS_PER_PEER. Fails with invalid_argument when no
-  // rank/size is found or the values are out of range.
+  // above); STELLAR_COLL_TIMEOUT_MS, STELLAR_COLL_QPS_PER_PEER and
+  // STELLAR_COLL_WAIT (auto: adapt_wait; busy or adaptive: that policy,
+  // whatever the count). Fails with invalid_argument when no rank/size is
+  // found or the values are out of range.
   static Result<CommunicatorOptions> from_environment(const CommunicatorOptions& base);
   static Result<CommunicatorOptions> from_environment();  // on top of the defaults
 };
@@ -94,6 +103,13 @@ struct CommunicatorCounters {
   uint64_t messages_sent = 0;   // data messages (credits not counted)
   ContextCounters transport{};  // the provider's counters (drops, retransmissions, ...)
   ProgressMode placement = ProgressMode::inline_poll;  // where the engines run (after STELLAR_ENGINE)
+  // The wait policy the calls run with, and why: ranks found on this host
+  // at bootstrap, the CPUs this process may use, and whether that made it
+  // switch to adaptive (CommunicatorOptions::adapt_wait).
+  WaitPolicy wait = WaitPolicy::busy_poll;
+  int local_ranks = 1;
+  int cpus = 1;
+  bool oversubscribed = false;
 };
 
 class Communicator {

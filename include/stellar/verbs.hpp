@@ -447,11 +447,19 @@ class Context : public std::enable_shared_from_this<Context> {
   // Readable when datagrams wait (inline mode: add it to epoll next to CQ fds).
   virtual int progress_fd() const = 0;
   virtual ContextCounters counters() const = 0;
-  // Per tenant (and job and traffic class) counters; the soft provider with
-  // in-process engines fills `traffic`, other placements only the tenant
-  // level.
+  // Per tenant (and job and traffic class) counters; the soft provider
+  // fills `traffic` (in-process and in the engine daemon), the verbs
+  // provider only the tenant level.
   virtual std::vector<TenantCounters> tenant_counters() const = 0;
+  // The options it was opened with (`wait` as opened: wait_policy() says
+  // what applies now).
   virtual const ContextOptions& options() const = 0;
+  // How CompletionQueue::wait (and, with ProgressMode::thread, the engine
+  // thread) waits from now on: the communicator switches to adaptive when
+  // more ranks share the host than there are CPUs (oversubscription).
+  // Thread-safe; a wait in progress keeps the policy it began with.
+  virtual void set_wait_policy(WaitPolicy) = 0;
+  virtual WaitPolicy wait_policy() const = 0;
   // Address and port of the soft provider's UDP socket (they change when
   // the context moves).
   virtual std::string local_address() const = 0;

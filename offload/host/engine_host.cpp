@@ -121,6 +121,7 @@ EngineHost::~EngineHost() {
 
 std::optional<SocketError> EngineHost::open(const HostOptions& options) {
   options_ = options;
+  adaptive_wait_.store(options.adaptive_wait);
   if (!shared_scheduler_) {
     auto held = hold_scheduler();
     sched().set_link_rate(options_.tx_rate_bytes_per_s, 0, monotonic_ns());
@@ -850,7 +851,7 @@ void EngineHost::engine_thread() {
     const uint64_t now = monotonic_ns();
     if (work) {
       idle_since = now;
-    } else if (options_.adaptive_wait && now - idle_since >= options_.spin_ns) {
+    } else if (adaptive_wait_.load(std::memory_order_relaxed) && now - idle_since >= options_.spin_ns) {
       uint64_t next;
       {
         std::lock_guard lock(lock_);

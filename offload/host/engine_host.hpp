@@ -107,6 +107,7 @@ class EngineHost final : public Host {
 
   // ---- without the lock ----
   void kick() override;
+  void set_adaptive_wait(bool adaptive) override { adaptive_wait_.store(adaptive, std::memory_order_relaxed); }
   // Takes the lock to read the timers.
   void sleep_until_work(uint64_t limit_ns, int extra_fd) override;
 
@@ -178,6 +179,7 @@ class EngineHost final : public Host {
   Datagram out_[tx_batch];
   std::thread thread_;
   std::atomic<bool> running_{false};
+  std::atomic<bool> adaptive_wait_{false};  // options_.adaptive_wait, changeable while the thread runs
   uint64_t malformed_ = 0, unknown_qp_ = 0, send_errors_ = 0, receive_calls_ = 0, coalesced_ = 0;
   uint64_t migrations_ = 0, path_challenges_ = 0, migrations_rejected_ = 0, migration_dropped_ = 0, rebinds_ = 0;
   // A copy of socket_.local() for readers without the lock (the socket

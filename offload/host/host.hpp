@@ -203,6 +203,8 @@ class Host {
   // ---- without the lock ----
   // Wakes the engine thread (or a sleep_until_work).
   virtual void kick() = 0;
+  // The engine thread's wait from now on (HostOptions::adaptive_wait).
+  virtual void set_adaptive_wait(bool) {}
   // Blocks in the kernel until there is progress to make, a kick, `extra_fd`
   // is readable, or the next timer (at most until `limit_ns`).
   virtual void sleep_until_work(uint64_t limit_ns, int extra_fd) = 0;

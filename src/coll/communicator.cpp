@@ -21,11 +21,16 @@
 // while this rank computes without polling. Credits need no such wait: an
 // unacknowledged credit is retransmitted when both sides poll again, and the
 // QPs' retry budget covers the longest gap the timeout allows.
+#include <sched.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <fstream>
+#include <thread>
 #include <vector>
 
 #include "coll/reduce.hpp"
@@ -128,6 +133,16 @@ Result<CommunicatorOptions> CommunicatorOptions::from_environment(const Communic
   auto qps = config::integer("STELLAR_COLL_QPS_PER_PEER", 1, 16);
   if (!qps) return qps.status();
   if (*qps) o.qps_per_peer = uint32_t(**qps);
+  if (auto w = config::text("STELLAR_COLL_WAIT")) {
+    if (*w == "busy" || *w == "adaptive") {
+      o.context.wait = *w == "busy" ? WaitPolicy::busy_poll : WaitPolicy::adaptive;
+      o.adapt_wait = false;
+    } else if (*w == "auto") {
+      o.adapt_wait = true;
+    } else {
+      return Status(Errc::invalid_argument, "STELLAR_COLL_WAIT='" + *w + "' is not auto, busy or adaptive");
+    }
+  }
   return o;
 }
 
@@ -192,6 +207,27 @@ uint32_t data_imm(uint16_t tag, uint32_t parts, uint32_t index) { return uint32_
 // Completions name the peer and the QP: rank in the low word, QP index above.
 uint64_t channel_id(int rank, size_t qp) { return uint64_t(uint32_t(rank)) | uint64_t(qp) << 32; }
 
+// Which machine this rank runs on, for counting the ranks that share its
+// CPUs: the kernel's boot id (the same in every container and network
+// namespace of one kernel, as the CPUs are), else the host name.
+std::string host_identity() {
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  std::string id;
+  if (std::getline(in, id) && !id.empty() && id.size() <= 64) return id;
+  char name[65] = {};
+  ::gethostname(name, sizeof name - 1);
+  return name;
+}
+
+// The CPUs this process may run on (its affinity mask, which a launcher or
+// container may have narrowed), at least 1.
+int usable_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (::sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return std::max(1, int(std::thread::hardware_concurrency()));
+}
+
 // Rendezvous messages: newline-delimited JSON objects (control_channel.hpp).
 json hello_json(int rank, int world, const CommunicatorOptions& o, const std::vector<Peer>& peers) {
   json endpoints = json::array(), landing = json::array();
@@ -206,7 +242,8 @@ json hello_json(int rank, int world, const CommunicatorOptions& o, const std::ve
     endpoints.push_back(qps);
     landing.push_back(json{{"addr", reinterpret_cast<uint64_t>(p.landing)}});
   }
-  return json{{"type", "hello"},          {"version", 2},           {"rank", rank},
+  return json{{"type", "hello"},          {"version", 3},           {"rank", rank},
+              {"host", host_identity()},
               {"world_size", world},      {"mode", to_string(o.context.mode)},
               {"slots", o.slots},         {"chunk_bytes", o.chunk_bytes},
               {"allreduce_algorithm", int(o.allreduce_algorithm)}, {"small_message_bytes", o.small_message_bytes},
@@ -275,6 +312,7 @@ class Comm final : public Communicator {
     if (context_) {
       c.transport = context_->counters();
       c.placement = context_->options().progress;
+      c.wait = context_->wait_policy();
     }
     return c;
   }
@@ -285,6 +323,10 @@ class Comm final : public Communicator {
   Status serve_rendezvous(const json& own, std::vector<json>& table);
   Status join_rendezvous(const json& own, std::vector<json>& table, Clock::time_point deadline);
   Status connect_peers(const std::vector<json>& table);
+  // Counts the ranks on this host (the table's "host") against the CPUs
+  // this process may use, and waits adaptively when they are more
+  // (CommunicatorOptions::adapt_wait).
+  void adapt_wait(const json& own, const std::vector<json>& table);
 
   // ---- channel primitives ----
   Peer& peer(int r) { return peers_[size_t((r % size_ + size_) % size_)]; }
@@ -448,6 +490,7 @@ Status Comm::bootstrap() {
   own["landing_rkey"] = landing_mr_->rkey();
   std::vector<json> table;
   Status s = rank_ == 0 ? serve_rendezvous(own, table) : join_rendezvous(own, table, deadline);
+  if (s.ok()) adapt_wait(own, table);
   if (!s.ok()) return s;
   connected_ = true;
   log().info("coll: rank {}/{} connected to all peers ({} mode, {} slots of {} KiB per peer)", rank_, size_, to_string(options_.context.mode),
@@ -546,6 +589,23 @@ Status Comm::join_rendezvous(const json& own, std::vector<json>& table, Clock::t
   if (!go) return Status(go.status().code(), "rendezvous: rank 0 did not start the job: " + go.status().message());
   if ((*go)["type"] != "go") return Status(Errc::connection_refused, "rendezvous failed at rank 0: " + control::read_reason(*go));
   return {};
+}
+
+void Comm::adapt_wait(const json& own, const std::vector<json>& table) {
+  int local = 0;
+  for (const json& h : table)
+    if (h.at("host") == own.at("host")) ++local;  // checked by check_hello
+  const int cpus = usable_cpus();
+  // With an engine thread each rank keeps two threads busy.
+  const int threads = context_->options().progress == ProgressMode::thread ? 2 * local : local;
+  counters_.local_ranks = local;
+  counters_.cpus = cpus;
+  counters_.oversubscribed = threads > cpus;
+  if (options_.adapt_wait && counters_.oversubscribed && context_->wait_policy() == WaitPolicy::busy_poll) {
+    context_->set_wait_policy(WaitPolicy::adaptive);
+    if (rank_ == 0)
+      log().info("communicator: {} ranks on this host, {} CPUs for this process: waiting adaptively (oversubscribed)", local, cpus);
+  }
 }
 
 Status Comm::connect_peers(const std::vector<json>& table) {

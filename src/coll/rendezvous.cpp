@@ -33,7 +33,9 @@ Result<int> check_hello(const json& h, int world, const json& reference) {
   const int r = int(*rank);
   auto version = control::read_unsigned(h, "version", 0, UINT32_MAX);
   if (!version) return malformed(r, version.status().message());
-  if (*version != 2) return Status(Errc::protocol_error, "rank " + std::to_string(r) + " speaks rendezvous version " + std::to_string(*version) + ", not 2");
+  if (*version != 3) return Status(Errc::protocol_error, "rank " + std::to_string(r) + " speaks rendezvous version " + std::to_string(*version) + ", not 3");
+  // Which machine it runs on (its kernel's boot id): ranks count who shares their CPUs.
+  if (auto host = control::read_string(h, "host", 64); !host) return malformed(r, host.status().message());
   auto world_size = control::read_unsigned(h, "world_size", 0, UINT32_MAX);
   if (!world_size) return malformed(r, world_size.status().message());
   if (*world_size != uint64_t(world))

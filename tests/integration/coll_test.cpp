@@ -3,6 +3,7 @@
 // sizes from 0 to several MiB with odd counts, on 2, 3 and 4 ranks, with and
 // without fault injection; dead, hung and mismatched ranks.
 #include <gtest/gtest.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -298,6 +299,43 @@ TEST(Collectives, ForcedAlgorithmsAgreeOnNonPowerOfTwoRanks) {
     };
     expect_all_zero(run_ranks(3, [](Communicator& c, int) { return exercise_all(c, {1, 2, 999, 20001}, false); }, forced));
   }
+}
+
+// Oversubscription (issue 16): each rank's affinity mask is narrowed to one
+// CPU, so 3 ranks on this host are more than the CPUs each may use: the
+// communicator waits adaptively instead of spinning, says so in its
+// counters, and still computes right; told not to adapt, it keeps busy.
+TEST(Collectives, MoreRanksOnTheHostThanCpusWaitAdaptively) {
+  // Busy polling asked for (the suite's default is adaptive: more processes than cores here).
+  auto one_cpu = [](CommunicatorOptions& o) {
+    o.context.wait = WaitPolicy::busy_poll;
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(0, &one);
+    sched_setaffinity(0, sizeof one, &one);
+  };
+  expect_all_zero(run_ranks(3, [](Communicator& c, int) {
+    const CommunicatorCounters k = c.counters();
+    if (k.local_ranks != 3 || k.cpus != 1 || !k.oversubscribed) return 1;
+    if (k.wait != WaitPolicy::adaptive) return 2;
+    return exercise_all(c, {1, 4099}, false);
+  }, one_cpu));
+  expect_all_zero(run_ranks(2, [](Communicator& c, int) {
+    const CommunicatorCounters k = c.counters();
+    return k.oversubscribed && k.wait == WaitPolicy::busy_poll ? 0 : 1;
+  }, [&](CommunicatorOptions& o) {
+    one_cpu(o);
+    o.adapt_wait = false;
+  }));
+  // With the whole machine: oversubscribed only if it has fewer CPUs than ranks.
+  cpu_set_t all;
+  sched_getaffinity(0, sizeof all, &all);
+  const bool fewer = CPU_COUNT(&all) < 2;
+  expect_all_zero(run_ranks(2, [fewer](Communicator& c, int) {
+    const CommunicatorCounters k = c.counters();
+    if (k.local_ranks != 2 || k.oversubscribed != fewer) return 1;
+    return k.wait == (fewer ? WaitPolicy::adaptive : WaitPolicy::busy_poll) ? 0 : 2;
+  }, [](CommunicatorOptions& o) { o.context.wait = WaitPolicy::busy_poll; }));
 }
 
 TEST(Collectives, RoceModeToo) {

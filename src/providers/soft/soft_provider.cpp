@@ -243,7 +243,7 @@ class SoftQp;
 
 class SoftContext final : public Context, public host::HostClient {
  public:
-  explicit SoftContext(const ContextOptions& options) : options_(options) {
+  explicit SoftContext(const ContextOptions& options) : options_(options), wait_(options.wait) {
     // One engine host, three placements (offload/host/host.hpp): in this
     // process (inline or on its engine thread), or in stellar-engined.
     if (options_.progress == ProgressMode::daemon) host_ = std::make_unique<host::RemoteHost>(mutex_, *this);
@@ -433,6 +433,11 @@ class SoftContext final : public Context, public host::HostClient {
   int progress_fd() const override { return host_->fd(); }
   ContextCounters counters() const override;
   const ContextOptions& options() const override { return options_; }
+  void set_wait_policy(WaitPolicy w) override {
+    wait_.store(w, std::memory_order_relaxed);
+    host_->set_adaptive_wait(w == WaitPolicy::adaptive);
+  }
+  WaitPolicy wait_policy() const override { return wait_.load(std::memory_order_relaxed); }
   std::string local_address() const override { return host::format_ipv4(host_->local()); }
   uint16_t local_port() const override { return ntohs(host_->local().sin_port); }
   Status change_address(const std::string& address) override {
@@ -465,6 +470,7 @@ class SoftContext final : public Context, public host::HostClient {
 
   std::mutex mutex_;
   ContextOptions options_;
+  std::atomic<WaitPolicy> wait_;  // options_.wait, then set_wait_policy()
   std::map<std::string, Tenant> tenants_;
   std::unordered_map<uint64_t, SoftQp*> qps_;  // (pkey << 32 | qpn) -> QP with an engine
   uint64_t memory_generation_ = 1;               // bumped by every deregistration
@@ -1097,7 +1103,7 @@ Result<int> SoftCq::wait(std::span<WorkCompletion> out, std::chrono::nanoseconds
   const uint64_t start = monotonic_ns();
   const uint64_t deadline = start + uint64_t(std::max<int64_t>(0, timeout.count()));
   const ContextOptions& o = context_->options();
-  const bool adaptive = o.wait == WaitPolicy::adaptive;
+  const bool adaptive = context_->wait_policy() == WaitPolicy::adaptive;
   for (;;) {
     if (int n = poll(out); n > 0) return n;
     const uint64_t now = monotonic_ns();

@@ -187,7 +187,8 @@ class VerbsContext final : public Context {
  public:
   VerbsContext(const ContextOptions& options, ibv_context* context, GidChoice choice, const ibv_device_attr& device,
                const ibv_port_attr& port, uint8_t traffic_class)
-      : options_(options), context_(context), choice_(std::move(choice)), device_(device), port_(port), traffic_class_(traffic_class) {
+      : options_(options), wait_(options.wait), context_(context), choice_(std::move(choice)), device_(device), port_(port),
+        traffic_class_(traffic_class) {
     tenants_[""] = Partition{0xffff, 0};
   }
   ~VerbsContext() override { ibv_close_device(context_); }
@@ -251,6 +252,8 @@ class VerbsContext final : public Context {
     return out;
   }
   const ContextOptions& options() const override { return options_; }
+  void set_wait_policy(WaitPolicy w) override { wait_.store(w, std::memory_order_relaxed); }
+  WaitPolicy wait_policy() const override { return wait_.load(std::memory_order_relaxed); }
   std::string local_address() const override { return choice_.ipv4.empty() ? options_.bind_address : choice_.ipv4; }
   uint16_t local_port() const override { return roce_v2_udp_port; }
   Status change_address(const std::string&) override {
@@ -274,6 +277,7 @@ class VerbsContext final : public Context {
     uint16_t index = 0;
   };
   ContextOptions options_;
+  std::atomic<WaitPolicy> wait_;  // options_.wait, then set_wait_policy()
   ibv_context* context_;
   GidChoice choice_;
   ibv_device_attr device_;
@@ -725,7 +729,7 @@ Result<int> VerbsCq::wait(std::span<WorkCompletion> out, std::chrono::nanosecond
     if (int n = poll(out); n > 0) return n;
     const auto now = Clock::now();
     if (now >= deadline) return Status(Errc::timeout, "no completion within the timeout");
-    if (o.wait == WaitPolicy::busy_poll || now - start < o.spin_time) continue;
+    if (context_->wait_policy() == WaitPolicy::busy_poll || now - start < o.spin_time) continue;
     // Adaptive: arm the CQ, look once more (a completion may have landed
     // before the arm), then sleep on the channel until an event or the deadline.
     std::unique_lock lock(mutex_);
