@@ -334,6 +334,7 @@ int main(int argc, char** argv) {
   if (o.wait != "auto" && o.wait != "busy" && o.wait != "adaptive") die("--wait", Status(Errc::invalid_argument, "auto, busy or adaptive"));
   base.context.wait = o.wait == "adaptive" ? WaitPolicy::adaptive : WaitPolicy::busy_poll;
   base.adapt_wait = o.wait == "auto";
+  const bool wait_given = app.count("--wait") > 0;
   base.chunk_bytes = *chunk;
   base.qps_per_peer = o.qps;
   base.timeout = std::chrono::milliseconds(o.timeout_ms);
@@ -356,6 +357,10 @@ int main(int argc, char** argv) {
   if (o.local_ranks <= 0) {  // launched by mpirun or a torchrun-style environment
     auto co = CommunicatorOptions::from_environment(base);
     if (!co) die("environment", Status(co.status().code(), co.status().message() + "; or pass -N RANKS to fork local ranks"));
+    if (wait_given) {  // the command line over STELLAR_COLL_WAIT
+      co->context.wait = base.context.wait;
+      co->adapt_wait = base.adapt_wait;
+    }
     return run_rank(o, *co);
   }
   base.world_size = o.local_ranks;

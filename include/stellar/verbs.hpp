@@ -457,7 +457,9 @@ class Context : public std::enable_shared_from_this<Context> {
   // How CompletionQueue::wait (and, with ProgressMode::thread, the engine
   // thread) waits from now on: the communicator switches to adaptive when
   // more ranks share the host than there are CPUs (oversubscription).
-  // Thread-safe; a wait in progress keeps the policy it began with.
+  // Thread-safe; a wait in progress may finish under either policy. In the
+  // daemon placement only this process's waits change: the daemon's shards
+  // wait as stellar-engined --wait says.
   virtual void set_wait_policy(WaitPolicy) = 0;
   virtual WaitPolicy wait_policy() const = 0;
   // Address and port of the soft provider's UDP socket (they change when

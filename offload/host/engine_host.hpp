@@ -107,7 +107,10 @@ class EngineHost final : public Host {
 
   // ---- without the lock ----
   void kick() override;
-  void set_adaptive_wait(bool adaptive) override { adaptive_wait_.store(adaptive, std::memory_order_relaxed); }
+  void set_adaptive_wait(bool adaptive) override {
+    adaptive_wait_.store(adaptive, std::memory_order_relaxed);
+    kick();  // a thread asleep under the old policy wakes to the new one
+  }
   // Takes the lock to read the timers.
   void sleep_until_work(uint64_t limit_ns, int extra_fd) override;
 

@@ -209,23 +209,64 @@ uint64_t channel_id(int rank, size_t qp) { return uint64_t(uint32_t(rank)) | uin
 
 // Which machine this rank runs on, for counting the ranks that share its
 // CPUs: the kernel's boot id (the same in every container and network
-// namespace of one kernel, as the CPUs are), else the host name.
-std::string host_identity() {
-  std::ifstream in("/proc/sys/kernel/random/boot_id");
+// namespace of one kernel), else the host name; hashed with the job's
+// rendezvous address (FNV-1a, 64 bits), so that the table, which any
+// connection to rank 0 may see, does not hand out the machine's boot id.
+std::string host_identity(const CommunicatorOptions& o) {
   std::string id;
-  if (std::getline(in, id) && !id.empty() && id.size() <= 64) return id;
-  char name[65] = {};
-  ::gethostname(name, sizeof name - 1);
-  return name;
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  if (!std::getline(in, id) || id.empty()) {
+    char name[65] = {};
+    ::gethostname(name, sizeof name - 1);
+    id = name;
+  }
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : id + "|" + o.master_address + ":" + std::to_string(o.master_port)) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  char text[17];
+  std::snprintf(text, sizeof text, "%016llx", (unsigned long long)h);
+  return text;
 }
 
-// The CPUs this process may run on (its affinity mask, which a launcher or
-// container may have narrowed), at least 1.
-int usable_cpus() {
+// The CPUs this thread may run on (its affinity mask, which a launcher or
+// container may have narrowed), as hex digits, lowest CPUs last: the bound
+// (mpirun binds a rank to a core, srun to its cpus) that decides whether the
+// ranks of one host have a CPU each.
+std::string affinity_mask() {
   cpu_set_t set;
   CPU_ZERO(&set);
-  if (::sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, CPU_COUNT(&set));
-  return std::max(1, int(std::thread::hardware_concurrency()));
+  if (::sched_getaffinity(0, sizeof set, &set) != 0) {
+    const unsigned n = std::max(1u, std::thread::hardware_concurrency());
+    for (unsigned c = 0; c < n && c < CPU_SETSIZE; ++c) CPU_SET(c, &set);
+  }
+  int top = CPU_SETSIZE - 1;
+  while (top > 0 && !CPU_ISSET(top, &set)) --top;
+  std::string hex;
+  for (int nibble = top / 4; nibble >= 0; --nibble) {
+    int v = 0;
+    for (int b = 0; b < 4; ++b)
+      if (nibble * 4 + b < CPU_SETSIZE && CPU_ISSET(nibble * 4 + b, &set)) v |= 1 << b;
+    hex.push_back("0123456789abcdef"[v]);
+  }
+  return hex;
+}
+
+// The CPUs in the union of hex masks (as affinity_mask writes them).
+int cpus_in_union(const std::vector<std::string>& masks) {
+  std::vector<bool> cpu;
+  for (const std::string& m : masks)
+    for (size_t i = 0; i < m.size(); ++i) {
+      const char c = m[m.size() - 1 - i];
+      const int v = c >= 'a' ? c - 'a' + 10 : c - '0';
+      for (int b = 0; b < 4; ++b)
+        if (v >> b & 1) {
+          if (cpu.size() <= i * 4 + size_t(b)) cpu.resize(i * 4 + size_t(b) + 1, false);
+          cpu[i * 4 + size_t(b)] = true;
+        }
+    }
+  return std::max<int>(1, int(std::count(cpu.begin(), cpu.end(), true)));
 }
 
 // Rendezvous messages: newline-delimited JSON objects (control_channel.hpp).
@@ -243,7 +284,7 @@ json hello_json(int rank, int world, const CommunicatorOptions& o, const std::ve
     landing.push_back(json{{"addr", reinterpret_cast<uint64_t>(p.landing)}});
   }
   return json{{"type", "hello"},          {"version", 3},           {"rank", rank},
-              {"host", host_identity()},
+              {"host", host_identity(o)}, {"cpus", affinity_mask()},
               {"world_size", world},      {"mode", to_string(o.context.mode)},
               {"slots", o.slots},         {"chunk_bytes", o.chunk_bytes},
               {"allreduce_algorithm", int(o.allreduce_algorithm)}, {"small_message_bytes", o.small_message_bytes},
@@ -484,7 +525,10 @@ Status Comm::bootstrap() {
         if (Status s = (*qp)->post_recv(RecvWr{channel_id(r, j), {}}); !s.ok()) return s;
     }
   }
-  if (size_ == 1) return {};
+  if (size_ == 1) {
+    counters_.cpus = cpus_in_union({affinity_mask()});
+    return {};
+  }
 
   json own = hello_json(rank_, size_, options_, peers_);
   own["landing_rkey"] = landing_mr_->rkey();
@@ -592,20 +636,32 @@ Status Comm::join_rendezvous(const json& own, std::vector<json>& table, Clock::t
 }
 
 void Comm::adapt_wait(const json& own, const std::vector<json>& table) {
-  int local = 0;
-  for (const json& h : table)
-    if (h.at("host") == own.at("host")) ++local;  // checked by check_hello
-  const int cpus = usable_cpus();
+  // The ranks on this host and the CPUs they may use between them (the union
+  // of their affinity masks: ranks bound a core each to one socket are not
+  // oversubscribed, ranks all bound to one core are).
+  int local = 0, lowest = -1;
+  std::vector<std::string> masks;
+  for (size_t r = 0; r < table.size(); ++r)
+    if (table[r].at("host") == own.at("host")) {  // both checked by check_hello
+      ++local;
+      if (lowest < 0) lowest = int(r);
+      masks.push_back(table[r].at("cpus").get<std::string>());
+    }
+  const int cpus = cpus_in_union(masks);
   // With an engine thread each rank keeps two threads busy.
   const int threads = context_->options().progress == ProgressMode::thread ? 2 * local : local;
   counters_.local_ranks = local;
   counters_.cpus = cpus;
   counters_.oversubscribed = threads > cpus;
-  if (options_.adapt_wait && counters_.oversubscribed && context_->wait_policy() == WaitPolicy::busy_poll) {
-    context_->set_wait_policy(WaitPolicy::adaptive);
-    if (rank_ == 0)
-      log().info("communicator: {} ranks on this host, {} CPUs for this process: waiting adaptively (oversubscribed)", local, cpus);
+  if (!counters_.oversubscribed || rank_ != lowest) {
+  } else if (options_.adapt_wait && context_->wait_policy() == WaitPolicy::busy_poll) {
+    log().info("communicator: {} ranks on this host, {} CPUs between them: waiting adaptively (oversubscribed)", local, cpus);
+  } else if (context_->wait_policy() == WaitPolicy::busy_poll) {
+    log().warn("communicator: {} ranks on this host, {} CPUs between them, and busy polling was asked for: ranks will spin on "
+               "each other's cores", local, cpus);
   }
+  if (options_.adapt_wait && counters_.oversubscribed && context_->wait_policy() == WaitPolicy::busy_poll)
+    context_->set_wait_policy(WaitPolicy::adaptive);
 }
 
 Status Comm::connect_peers(const std::vector<json>& table) {

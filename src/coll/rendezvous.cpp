@@ -34,8 +34,13 @@ Result<int> check_hello(const json& h, int world, const json& reference) {
   auto version = control::read_unsigned(h, "version", 0, UINT32_MAX);
   if (!version) return malformed(r, version.status().message());
   if (*version != 3) return Status(Errc::protocol_error, "rank " + std::to_string(r) + " speaks rendezvous version " + std::to_string(*version) + ", not 3");
-  // Which machine it runs on (its kernel's boot id): ranks count who shares their CPUs.
+  // Which machine it runs on (a hash of its kernel's boot id) and the CPUs it
+  // may use (hex mask): ranks count who shares their CPUs.
   if (auto host = control::read_string(h, "host", 64); !host) return malformed(r, host.status().message());
+  auto cpus = control::read_string(h, "cpus", 256);
+  if (!cpus) return malformed(r, cpus.status().message());
+  if (cpus->empty() || cpus->find_first_not_of("0123456789abcdef") != std::string::npos)
+    return malformed(r, "'cpus' is not a hex CPU mask");
   auto world_size = control::read_unsigned(h, "world_size", 0, UINT32_MAX);
   if (!world_size) return malformed(r, world_size.status().message());
   if (*world_size != uint64_t(world))

@@ -20,6 +20,8 @@
 #include <vector>
 
 #include "coll/reduce.hpp"
+#include "coll/rendezvous.hpp"
+#include "core/control_messages.hpp"
 #include "stellar/coll.hpp"
 
 using namespace stellar;
@@ -309,10 +311,14 @@ TEST(Collectives, MoreRanksOnTheHostThanCpusWaitAdaptively) {
   // Busy polling asked for (the suite's default is adaptive: more processes than cores here).
   auto one_cpu = [](CommunicatorOptions& o) {
     o.context.wait = WaitPolicy::busy_poll;
-    cpu_set_t one;
+    // The first CPU this process may use (a container's cpuset may not hold CPU 0).
+    cpu_set_t mine, one;
+    sched_getaffinity(0, sizeof mine, &mine);
+    int first = 0;
+    while (first < CPU_SETSIZE - 1 && !CPU_ISSET(first, &mine)) ++first;
     CPU_ZERO(&one);
-    CPU_SET(0, &one);
-    sched_setaffinity(0, sizeof one, &one);
+    CPU_SET(first, &one);
+    if (sched_setaffinity(0, sizeof one, &one) != 0) _exit(90);
   };
   expect_all_zero(run_ranks(3, [](Communicator& c, int) {
     const CommunicatorCounters k = c.counters();
@@ -327,15 +333,49 @@ TEST(Collectives, MoreRanksOnTheHostThanCpusWaitAdaptively) {
     one_cpu(o);
     o.adapt_wait = false;
   }));
-  // With the whole machine: oversubscribed only if it has fewer CPUs than ranks.
+  // With the whole machine: oversubscribed only if it has fewer CPUs than busy threads.
   cpu_set_t all;
   sched_getaffinity(0, sizeof all, &all);
-  const bool fewer = CPU_COUNT(&all) < 2;
-  expect_all_zero(run_ranks(2, [fewer](Communicator& c, int) {
+  const int cpus = CPU_COUNT(&all);
+  expect_all_zero(run_ranks(2, [cpus](Communicator& c, int) {
     const CommunicatorCounters k = c.counters();
-    if (k.local_ranks != 2 || k.oversubscribed != fewer) return 1;
-    return k.wait == (fewer ? WaitPolicy::adaptive : WaitPolicy::busy_poll) ? 0 : 2;
+    // Two threads a rank when the engines run on threads of their own (STELLAR_ENGINE=thread).
+    const bool over = (k.placement == ProgressMode::thread ? 4 : 2) > cpus;
+    if (k.local_ranks != 2 || k.cpus != cpus || k.oversubscribed != over) return 1;
+    return k.wait == (over ? WaitPolicy::adaptive : WaitPolicy::busy_poll) ? 0 : 2;
   }, [](CommunicatorOptions& o) { o.context.wait = WaitPolicy::busy_poll; }));
+}
+
+// The hello's host and CPU mask are checked like its other fields: a rank
+// that sends garbage there is refused with the reason, not trusted.
+TEST(Rendezvous, HostAndCpuMaskAreChecked) {
+  QpEndpoint e;
+  e.address = "127.0.0.1";
+  e.udp_port = 40000;
+  e.qp_num = 7;
+  e.token = 1;
+  // Through text, as on the wire (numbers then parse as unsigned).
+  const control::json good = control::json::parse(control::json{{"type", "hello"}, {"version", 3}, {"rank", 1}, {"host", "0123456789abcdef"}, {"cpus", "3"},
+                              {"world_size", 2}, {"mode", "stellar"}, {"slots", 4}, {"chunk_bytes", 524288},
+                              {"allreduce_algorithm", 0}, {"small_message_bytes", 65536}, {"qps_per_peer", 1},
+                              {"endpoints", {control::json::array({control::endpoint_json(e)}), nullptr}},
+                              {"landing", {{{"addr", 4096}}, nullptr}}, {"landing_rkey", 9}}.dump());
+  ASSERT_TRUE(coll::check_hello(good, 2, good)) << coll::check_hello(good, 2, good).status().to_string();
+  for (auto [key, value] : std::vector<std::pair<const char*, control::json>>{
+           {"host", 5}, {"host", std::string(65, 'a')}, {"cpus", "xyz"}, {"cpus", ""}, {"cpus", std::string(257, 'f')}, {"cpus", 3}}) {
+    control::json bad = good;
+    bad[key] = control::json::parse(value.dump());
+    auto r = coll::check_hello(bad, 2, good);
+    EXPECT_FALSE(r) << key << " = " << value.dump();
+    if (!r) {
+      EXPECT_EQ(r.status().code(), Errc::protocol_error);
+    }
+  }
+  for (const char* key : {"host", "cpus"}) {
+    control::json missing = good;
+    missing.erase(key);
+    EXPECT_FALSE(coll::check_hello(missing, 2, good)) << key;
+  }
 }
 
 TEST(Collectives, RoceModeToo) {

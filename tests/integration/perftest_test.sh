@@ -26,10 +26,11 @@ for program in write_lat read_lat send_lat atomic_lat write_bw read_bw send_bw; 
       [[ $program == *_bw ]] && args=(-a -n 8 -t 8 -q 2 --wait adaptive --mode "$mode")
       expected=23
       [[ $program == atomic_lat ]] && expected=1
-      # roce mode under loss may retry a run once: its go-back-N resends a
-      # whole 8 MiB message per timeout, and on two busy cores the seven
-      # retries ran out once in about forty runs (the flake is reported, and
-      # a second failure fails the test; issue 16 is to make that path cheaper).
+      # roce mode under loss may retry a run once when its retries ran out:
+      # its go-back-N resends a whole 8 MiB message per timeout, and on two
+      # busy cores the seven retries ran out once in a clean-clone CI (the
+      # failure is printed, any other failure or a second one fails the
+      # test; issue 16 is to make that path cheaper).
       attempts=1
       [[ $mode == roce && $faults != 0 ]] && attempts=2
       for attempt in $(seq "$attempts"); do
@@ -48,7 +49,8 @@ for program in write_lat read_lat send_lat atomic_lat write_bw read_bw send_bw; 
         fi
         [[ -z $failed ]] && break
         echo "stellar_$program ($mode, loss $faults): $failed failed (attempt $attempt of $attempts)"; echo "$out"; cat "$log"
-        ((attempt < attempts)) || exit 1
+        # Only the known flake (retries ran out) earns the second attempt.
+        ((attempt < attempts)) && grep -q "retry counter exceeded" <<< "$out$(cat "$log")" || exit 1
       done
       if [[ $program == *_bw ]]; then pattern=$bw_row; else pattern=$lat_row; fi
       rows=0
