@@ -132,17 +132,25 @@ case $case_name in
 
   ecn)
     "$testbed" set-mark spine 4 100
-    read -r -a before <<< "$(spine_counts)"
-    start_stream 2000 65536 --paths 16
-    wait_stream 2000
-    read -r -a after <<< "$(spine_counts)"
-    marks=$(grep -o "congestion_marks [0-9]*" "$work/server.log" | awk '{print $2}')
-    ((marks > 0)) || fail "no congestion mark reached the server"
-    total=0
-    for i in 0 1 2 3; do total=$((total + after[i] - before[i])); done
-    marked=$((after[3] - before[3]))
-    echo "spine 4 (marking) carried $marked of $total packets; the server saw $marks marks"
-    ((marked * 5 < total)) || fail "the marking spine carried $marked of $total packets (a fifth or more)"
+    # The marking spine's share is bimodal on this 2-core host: 4-12% in most
+    # runs, 19.7-20.7% in about one of six (old and new builds alike, measured
+    # side by side on 2026-12-02), when the marks come late in a 0.26 s
+    # stream. A second stream runs when the first misses; both are printed,
+    # and a second miss fails.
+    for attempt in 1 2; do
+      read -r -a before <<< "$(spine_counts)"
+      start_stream 2000 65536 --paths 16
+      wait_stream 2000
+      read -r -a after <<< "$(spine_counts)"
+      marks=$(grep -o "congestion_marks [0-9]*" "$work/server.log" | awk '{print $2}')
+      ((marks > 0)) || fail "no congestion mark reached the server"
+      total=0
+      for i in 0 1 2 3; do total=$((total + after[i] - before[i])); done
+      marked=$((after[3] - before[3]))
+      echo "spine 4 (marking) carried $marked of $total packets; the server saw $marks marks (attempt $attempt)"
+      ((marked * 5 < total)) && break
+      ((attempt < 2)) || fail "the marking spine carried $marked of $total packets (a fifth or more), twice"
+    done
     ;;
 
   move)
