@@ -1,8 +1,11 @@
 #!/bin/bash
 # Allreduce side by side, one invocation, same machine, same rank count and
-# sizes: stellar_allreduce, Gloo's ring allreduce over TCP (gloo_allreduce)
-# and Open MPI's MPI_Allreduce over TCP and over shared memory
-# (mpi_allreduce). float sum, in place, sizes 1 KiB..64 MiB by 4x. Each
+# sizes: stellar_allreduce over the network path (--no-shm: loopback UDP,
+# although the ranks share a host) and over its shared-memory channel,
+# Gloo's ring allreduce over TCP (gloo_allreduce) and Open MPI's
+# MPI_Allreduce over TCP and over shared memory (mpi_allreduce). The
+# network figures compare with Gloo and MPI over TCP, the shared-memory
+# ones with MPI over shared memory. float sum, in place, sizes 1 KiB..64 MiB by 4x. Each
 # figure is the median of ROUNDS runs (default 3), the programs alternating
 # so that drift on a shared machine hits all of them. Prints busbw (GB/s,
 # nccl-tests' definition) per size with Stellar's ratios to each peer, and the
@@ -26,14 +29,15 @@ mpi=(mpirun --allow-run-as-root --oversubscribe -np "$ranks" --bind-to none)
 run() {  # tool round
   local f="$work/$1.$2"
   case $1 in
-    stellar) "$build/examples/stellar_allreduce" -N "$ranks" "${sweep[@]}" -c 0 "${extra[@]}" > "$f" ;;
+    stellar) "$build/examples/stellar_allreduce" -N "$ranks" "${sweep[@]}" -c 0 --no-shm "${extra[@]}" > "$f" ;;
+    stellar_shm) "$build/examples/stellar_allreduce" -N "$ranks" "${sweep[@]}" -c 0 "${extra[@]}" > "$f" ;;
     gloo) "$build/bench/gloo_allreduce" -N "$ranks" "${sweep[@]}" > "$f" ;;
     mpi_tcp) "${mpi[@]}" --mca btl self,tcp "$build/bench/mpi_allreduce" "${sweep[@]}" > "$f" 2> /dev/null ;;
     mpi_shm) "${mpi[@]}" --mca btl self,vader "$build/bench/mpi_allreduce" "${sweep[@]}" > "$f" 2> /dev/null ;;
   esac
 }
 
-tools=(stellar gloo mpi_tcp mpi_shm)
+tools=(stellar stellar_shm gloo mpi_tcp mpi_shm)
 total=$((rounds * ${#tools[@]})); n=0; started=$(date +%s)
 for ((r = 1; r <= rounds; r++)); do
   for t in "${tools[@]}"; do
@@ -67,15 +71,16 @@ def human(b):
         if b >= scale: return f"{b // scale} {unit}"
     return f"{b} B"
 print(f"\nallreduce, float sum, in place, {ranks} ranks, medians of {rounds} rounds")
-print(f"{'size':>9} | {'busbw GB/s: stellar':>19} {'gloo':>6} {'mpi-tcp':>8} {'mpi-shm':>8} | {'vs gloo':>7} {'vs mpi-tcp':>10} {'vs mpi-shm':>10} | {'time us: stellar':>16} {'gloo':>8} {'mpi-tcp':>8}")
+print("stellar: network path (--no-shm), against gloo and mpi-tcp; stellar-shm: its shared-memory channel, against mpi-shm")
+print(f"{'size':>9} | {'busbw GB/s: stellar':>19} {'stellar-shm':>11} {'gloo':>6} {'mpi-tcp':>8} {'mpi-shm':>8} | {'vs gloo':>7} {'vs mpi-tcp':>10} {'shm vs mpi-shm':>14} | {'time us: stellar':>16} {'gloo':>8} {'mpi-tcp':>8}")
 rows = []
 for s in sizes:
     g = lambda t, k: med.get(t, {}).get(s, {}).get(k, float("nan"))
     ratio = lambda a, b: a / b if b and b == b else float("nan")
     row = {"bytes": s, **{f"{t}_busbw": g(t, "busbw") for t in tools}, **{f"{t}_time_us": g(t, "time") for t in tools}}
     rows.append(row)
-    print(f"{human(s):>9} | {g('stellar','busbw'):19.3f} {g('gloo','busbw'):6.3f} {g('mpi_tcp','busbw'):8.3f} {g('mpi_shm','busbw'):8.3f} | "
-          f"{ratio(g('stellar','busbw'), g('gloo','busbw')):7.2f} {ratio(g('stellar','busbw'), g('mpi_tcp','busbw')):10.2f} {ratio(g('stellar','busbw'), g('mpi_shm','busbw')):10.2f} | "
+    print(f"{human(s):>9} | {g('stellar','busbw'):19.3f} {g('stellar_shm','busbw'):11.3f} {g('gloo','busbw'):6.3f} {g('mpi_tcp','busbw'):8.3f} {g('mpi_shm','busbw'):8.3f} | "
+          f"{ratio(g('stellar','busbw'), g('gloo','busbw')):7.2f} {ratio(g('stellar','busbw'), g('mpi_tcp','busbw')):10.2f} {ratio(g('stellar_shm','busbw'), g('mpi_shm','busbw')):14.2f} | "
           f"{g('stellar','time'):16.1f} {g('gloo','time'):8.1f} {g('mpi_tcp','time'):8.1f}")
 small = med.get("stellar", {}).get(1024, {}).get("time"), med.get("gloo", {}).get(1024, {}).get("time")
 if all(small):

@@ -32,7 +32,7 @@ build-fuzz/fuzz_receive -max_total_time=45 -print_final_stats=1 build-fuzz/corpu
 
 echo "=== libFuzzer: 45 s on the control plane's message handlers (connection manager, rendezvous) ==="
 clang++ -std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -Iinclude -Isrc -Ibuild-test-release/include \
-  tests/fuzz/fuzz_control.cpp src/core/control_messages.cpp src/core/names.cpp src/coll/rendezvous.cpp -o build-fuzz/fuzz_control
+  tests/fuzz/fuzz_control.cpp src/core/control_messages.cpp src/core/names.cpp src/coll/rendezvous.cpp src/coll/shared_memory.cpp -o build-fuzz/fuzz_control
 rm -rf build-fuzz/corpus_control && cp -r tests/fuzz/corpus_control build-fuzz/corpus_control
 build-fuzz/fuzz_control -max_total_time=45 -max_len=65536 -print_final_stats=1 build-fuzz/corpus_control 2>&1 | tail -4
 

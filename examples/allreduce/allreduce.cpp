@@ -48,6 +48,7 @@ struct Options {
   int timeout_ms = 30000;
   std::string wait = "auto";
   bool verbose = false;
+  bool no_shm = false;
   std::string tenant, hint;  // docs/scheduler.md
   uint64_t tx_rate = 0;      // bytes/s the flow scheduler shapes each rank to (0: none)
 };
@@ -213,8 +214,13 @@ int run_rank(const Options& o, CommunicatorOptions co) {
     const std::string wait = std::string(c.wait == WaitPolicy::busy_poll ? "busy" : "adaptive") + " (" + std::to_string(c.local_ranks) +
                              " ranks on this host, " + std::to_string(c.cpus) + " CPUs" +
                              (c.oversubscribed ? ": oversubscribed" : "") + (o.wait == "auto" ? "" : "; --wait " + o.wait) + ")";
-    std::printf("# transport: provider %s, mode %s, cc %s, wait %s, algorithm %s, chunk %s, qps per peer %u\n#\n", o.provider.c_str(), o.mode.c_str(),
-                o.cc.c_str(), wait.c_str(), o.algorithm.c_str(), o.chunk.c_str(), o.qps);
+    // Which pairs skip the network (ranks on this host, unless turned off).
+    const std::string shm = comm.size() == 1 ? "none (one rank)"
+                            : c.shared_memory_peers > 0
+                                ? std::to_string(c.shared_memory_peers) + " of " + std::to_string(comm.size() - 1) + " peers (rank 0)"
+                                : std::string(o.no_shm ? "off (--no-shm)" : "off (no peer on this host could share it)");
+    std::printf("# transport: provider %s, mode %s, cc %s, wait %s, algorithm %s, chunk %s, qps per peer %u, shared memory %s\n#\n", o.provider.c_str(),
+                o.mode.c_str(), o.cc.c_str(), wait.c_str(), o.algorithm.c_str(), o.chunk.c_str(), o.qps, shm.c_str());
     std::printf("#                                              out-of-place                       in-place          \n");
     std::printf("#       size         count      type   redop     time   algbw   busbw #wrong     time   algbw   busbw #wrong\n");
     std::printf("#        (B)    (elements)                       (us)  (GB/s)  (GB/s)            (us)  (GB/s)  (GB/s)       \n");
@@ -313,6 +319,7 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1u, 16u));
   app.add_option("--timeout", o.timeout_ms, "fail a call after this long without progress (ms)");
   app.add_flag("-v,--verbose", o.verbose, "print each rank's transport counters at the end");
+  app.add_flag("--no-shm", o.no_shm, "ranks on this host talk over the network too (default: shared memory between them; STELLAR_COLL_SHM=0)");
   app.add_option("--wait", o.wait, "busy (spin: lowest latency, one core per rank), adaptive (spin 50 us, then sleep) or auto: "
                  "busy, or adaptive when more ranks share this host than there are CPUs (counted at bootstrap)")
       ->capture_default_str();
@@ -337,6 +344,11 @@ int main(int argc, char** argv) {
   const bool wait_given = app.count("--wait") > 0;
   base.chunk_bytes = *chunk;
   base.qps_per_peer = o.qps;
+  // STELLAR_COLL_SHM for forked ranks too (from_environment reads it under a launcher); --no-shm wins.
+  if (const char* shm = std::getenv("STELLAR_COLL_SHM"); shm && o.local_ranks > 0) {
+    if (std::string(shm) != "0" && std::string(shm) != "1") die("STELLAR_COLL_SHM", Status(Errc::invalid_argument, "0 or 1"));
+    base.shared_memory = std::string(shm) == "1";
+  }
   base.timeout = std::chrono::milliseconds(o.timeout_ms);
   if (o.cc == "none") base.context.congestion_control = CongestionControl::none;
   else if (o.cc == "dcqcn") base.context.congestion_control = CongestionControl::dcqcn;
@@ -361,8 +373,10 @@ int main(int argc, char** argv) {
       co->context.wait = base.context.wait;
       co->adapt_wait = base.adapt_wait;
     }
+    if (o.no_shm) co->shared_memory = false;
     return run_rank(o, *co);
   }
+  if (o.no_shm) base.shared_memory = false;
   base.world_size = o.local_ranks;
   base.master_address = "127.0.0.1";
   base.master_port = free_port();

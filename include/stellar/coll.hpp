@@ -85,13 +85,24 @@ struct CommunicatorOptions {
   // yields when oversubscribed: spinning ranks would take each other's
   // cores. false: keep context.wait whatever the count (the caller chose).
   bool adapt_wait = true;
+  // Shared memory between ranks on one host (as NCCL's SHM transport): a
+  // pair of ranks on the same kernel that can both map each other's segment
+  // in /dev/shm writes into the other's landing slots directly (one copy in,
+  // the reduction reads it there) instead of through the transport. Decided
+  // per pair at bootstrap: a rank with false (or STELLAR_COLL_SHM=0), or one
+  // in a container with its own /dev/shm, talks to the others over the
+  // network, so jobs mixing local and remote ranks work. Each rank that
+  // allows it holds a segment of about (world_size - 1) * slots *
+  // chunk_bytes bytes; its name is removed from /dev/shm once the peers have
+  // mapped it. Benchmarks of the network path turn it off.
+  bool shared_memory = true;
 
   // Reads the launcher's environment on top of `base`: torchrun's RANK,
   // WORLD_SIZE, MASTER_ADDR, MASTER_PORT; mpirun's OMPI_COMM_WORLD_RANK and
   // OMPI_COMM_WORLD_SIZE (with MASTER_ADDR/MASTER_PORT, or their defaults
   // above); STELLAR_COLL_TIMEOUT_MS, STELLAR_COLL_QPS_PER_PEER and
   // STELLAR_COLL_WAIT (auto: adapt_wait; busy or adaptive: that policy,
-  // whatever the count). Fails with invalid_argument when no rank/size is
+  // whatever the count) and STELLAR_COLL_SHM (0 or 1: shared_memory). Fails with invalid_argument when no rank/size is
   // found or the values are out of range.
   static Result<CommunicatorOptions> from_environment(const CommunicatorOptions& base);
   static Result<CommunicatorOptions> from_environment();  // on top of the defaults
@@ -110,6 +121,7 @@ struct CommunicatorCounters {
   int local_ranks = 1;
   int cpus = 1;
   bool oversubscribed = false;
+  int shared_memory_peers = 0;  // peers this rank talks to through shared memory (the rest: the network)
 };
 
 class Communicator {

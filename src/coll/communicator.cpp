@@ -35,6 +35,7 @@
 
 #include "coll/reduce.hpp"
 #include "coll/rendezvous.hpp"
+#include "coll/shared_memory.hpp"
 #include "core/config.hpp"
 #include "core/control_channel.hpp"
 #include "core/log.hpp"
@@ -133,6 +134,10 @@ Result<CommunicatorOptions> CommunicatorOptions::from_environment(const Communic
   auto qps = config::integer("STELLAR_COLL_QPS_PER_PEER", 1, 16);
   if (!qps) return qps.status();
   if (*qps) o.qps_per_peer = uint32_t(**qps);
+  if (auto shm = config::text("STELLAR_COLL_SHM")) {
+    if (*shm != "0" && *shm != "1") return Status(Errc::invalid_argument, "STELLAR_COLL_SHM='" + *shm + "' is not 0 or 1");
+    o.shared_memory = *shm == "1";
+  }
   if (auto w = config::text("STELLAR_COLL_WAIT")) {
     if (*w == "busy" || *w == "adaptive") {
       o.context.wait = *w == "busy" ? WaitPolicy::busy_poll : WaitPolicy::adaptive;
@@ -182,6 +187,11 @@ struct Arrival {
 struct Peer {
   int rank = -1;
   std::vector<std::shared_ptr<QueuePair>> qps;
+  // The peer's segment when the pair talks through shared memory (both on
+  // this host, both allow it, both could map the other's segment); null:
+  // the QPs. Owned by Comm::peer_segments_.
+  detail::SharedSegment* shm = nullptr;
+  uint64_t shm_seen = 0;  // the peer's messages in our segment already queued in arrivals[0]
   uint8_t* landing = nullptr;  // our slots for this peer's messages
   uint64_t remote_landing = 0;  // the peer's slots for ours
   uint32_t remote_rkey = 0;
@@ -364,6 +374,11 @@ class Comm final : public Communicator {
   Status serve_rendezvous(const json& own, std::vector<json>& table);
   Status join_rendezvous(const json& own, std::vector<json>& table, Clock::time_point deadline);
   Status connect_peers(const std::vector<json>& table);
+  // Maps the segments of the ranks on this host that published one (into
+  // peer_segments_; shm_opened_ lists them), and, once rank 0 has said which
+  // pairs both sides mapped, switches those pairs to shared memory.
+  void open_peer_segments(const std::vector<json>& table);
+  Status use_shared_memory(const std::vector<int>& pairs);
   // Counts the ranks on this host (the table's "host") against the CPUs
   // this process may use, and waits adaptively when they are more
   // (CommunicatorOptions::adapt_wait).
@@ -373,16 +388,23 @@ class Comm final : public Communicator {
   Peer& peer(int r) { return peers_[size_t((r % size_ + size_) % size_)]; }
   Status begin_call(CallKind, size_t count, DataType, ReduceOp, int root);
   Status end_call(Status);
+  // Waits (bounded) for anything: completions, shared-memory arrivals,
+  // credits or flags. Returns after the first event or a short wait; the
+  // callers loop on their condition.
   Status pump(const Peer* waiting_for, const char* what);
+  Status pump_network(const Peer* waiting_for, const char* what);
+  Status take_completions(const WorkCompletion* wcs, int n);
+  Result<bool> poll_shared();  // true when something changed
+  Status no_progress(const Peer* waiting_for, const char* what);
   bool can_post(const Peer& p) const {
     return p.data_posted - p.credits < options_.slots && p.sends_posted - p.sends_completed + 1 < max_send_wr_;
   }
   // How a message of `bytes` is striped: the number of parts (QPs 0..parts-1)
   // and the bytes of each but the last (a multiple of 4 KiB). Both ends
   // compute it from the size alone.
-  uint32_t stripe(size_t bytes, size_t* part) const {
+  uint32_t stripe(const Peer& p, size_t bytes, size_t* part) const {
     const size_t n = options_.qps_per_peer;
-    if (n <= 1 || bytes < stripe_min_bytes) {
+    if (n <= 1 || bytes < stripe_min_bytes || p.shm) {
       *part = bytes;
       return 1;
     }
@@ -426,8 +448,17 @@ class Comm final : public Communicator {
   std::shared_ptr<Context> context_;
   std::shared_ptr<ProtectionDomain> pd_;
   std::shared_ptr<CompletionQueue> cq_;
-  AlignedBuffer landing_;
+  AlignedBuffer landing_;  // the landing slots when they are not in own_segment_
+  uint8_t* landing_base_ = nullptr;
   std::unique_ptr<MemoryRegion> landing_mr_;
+  // Shared memory: this rank's segment (holding its landing slots), the
+  // peers' segments it mapped (by rank), and how many pairs use which path.
+  std::unique_ptr<detail::SharedSegment> own_segment_;
+  std::vector<std::unique_ptr<detail::SharedSegment>> peer_segments_;
+  std::vector<int> shm_opened_;
+  int shm_peers_ = 0, network_peers_ = 0;
+  uint64_t idle_polls_ = 0;  // pump() calls without progress in a row
+  Clock::time_point idle_since_{}, liveness_checked_{};
   AlignedBuffer scratch_;
   size_t scratch_bytes_ = 0;
   std::unique_ptr<MemoryRegion> scratch_mr_;
@@ -489,18 +520,36 @@ Status Comm::bootstrap() {
   const size_t per_peer = size_t(options_.slots) * options_.chunk_bytes;
   peers_.resize(size_t(size_));
   if (peers) {
-    landing_ = allocate(per_peer * peers);
-    if (!landing_) return Status(Errc::resource_exhausted, "communicator: cannot allocate landing buffers");
-    auto mr = pd_->register_memory(landing_.get(), per_peer * peers, access_local_write | access_remote_write);
+    // With shared memory allowed the landing slots live in this rank's
+    // segment: ranks on this host write into them directly, the others
+    // through RDMA WRITE as always.
+    if (options_.shared_memory) {
+      detail::SegmentShape shape{uint32_t(size_), options_.slots, options_.chunk_bytes};
+      auto segment = detail::SharedSegment::create(shape, "r" + std::to_string(rank_));
+      if (segment) {
+        own_segment_ = std::move(*segment);
+        landing_base_ = own_segment_->landing();
+      } else {
+        log().warn("coll: rank {}: no shared-memory channel, ranks on this host will talk over the network: {}", rank_, segment.status().to_string());
+      }
+    }
+    if (!landing_base_) {
+      landing_ = allocate(per_peer * peers);
+      if (!landing_) return Status(Errc::resource_exhausted, "communicator: cannot allocate landing buffers");
+      landing_base_ = landing_.get();
+    }
+    auto mr = pd_->register_memory(landing_base_, per_peer * peers, access_local_write | access_remote_write);
     if (!mr) return mr.status();
     landing_mr_ = std::move(*mr);
   }
+  peer_segments_.resize(size_t(size_));
+  network_peers_ = int(peers);
   size_t slot_index = 0;
   for (int r = 0; r < size_; ++r) {
     if (r == rank_) continue;
     Peer& p = peers_[size_t(r)];
     p.rank = r;
-    p.landing = landing_.get() + per_peer * slot_index++;
+    p.landing = landing_base_ + per_peer * slot_index++;
     QpInitAttributes attributes;
     attributes.send_cq = cq_;
     attributes.recv_cq = cq_;
@@ -532,13 +581,24 @@ Status Comm::bootstrap() {
 
   json own = hello_json(rank_, size_, options_, peers_);
   own["landing_rkey"] = landing_mr_->rkey();
+  if (own_segment_) {
+    char token[17];
+    std::snprintf(token, sizeof token, "%016llx", (unsigned long long)own_segment_->token());
+    own["shm"] = json{{"name", own_segment_->name()}, {"token", token}};
+  } else {
+    own["shm"] = nullptr;
+  }
   std::vector<json> table;
   Status s = rank_ == 0 ? serve_rendezvous(own, table) : join_rendezvous(own, table, deadline);
   if (s.ok()) adapt_wait(own, table);
+  // Every peer that will map this rank's segment has done so (before it
+  // said ready): the name can go, so nothing is left in /dev/shm however
+  // the job ends from here on.
+  if (own_segment_) own_segment_->unlink();
   if (!s.ok()) return s;
   connected_ = true;
-  log().info("coll: rank {}/{} connected to all peers ({} mode, {} slots of {} KiB per peer)", rank_, size_, to_string(options_.context.mode),
-             options_.slots, options_.chunk_bytes / 1024);
+  log().info("coll: rank {}/{} connected to all peers ({} mode, {} slots of {} KiB per peer; {} through shared memory)", rank_, size_,
+             to_string(options_.context.mode), options_.slots, options_.chunk_bytes / 1024, shm_peers_);
   return {};
 }
 
@@ -599,16 +659,30 @@ Status Comm::serve_rendezvous(const json& own, std::vector<json>& table) {
   for (int r = 1; r < size_; ++r)
     if (Status s = joined[size_t(r)].channel->write_line(all, deadline); !s.ok()) return broadcast_error(s);
   if (Status s = connect_peers(table); !s.ok()) return broadcast_error(s);
-  // Everyone's QPs are ready to receive before anyone sends.
+  open_peer_segments(table);
+  // Everyone's QPs are ready to receive before anyone sends. Each ready
+  // also lists the segments that rank mapped; a pair uses shared memory
+  // only when both sides mapped the other's.
+  std::vector<std::vector<int>> mapped(static_cast<size_t>(size_));
+  mapped[0] = shm_opened_;
   for (int r = 1; r < size_; ++r) {
     auto ready = joined[size_t(r)].channel->read_line(deadline);
     if (!ready) return broadcast_error(Status(ready.status().code(), "rendezvous: rank " + std::to_string(r) + " did not confirm: " + ready.status().message()));
     if ((*ready)["type"] != "ready")
       return broadcast_error(Status(Errc::connection_refused, "rank " + std::to_string(r) + " failed to connect: " + control::read_reason(*ready)));
+    auto list = read_shared_memory_pairs(*ready, size_, r);
+    if (!list) return broadcast_error(Status(Errc::protocol_error, "rendezvous: rank " + std::to_string(r) + "'s ready: " + list.status().message()));
+    mapped[size_t(r)] = std::move(*list);
   }
+  auto mutual = [&](int r) {
+    std::vector<int> both;
+    for (int p : mapped[size_t(r)])
+      if (std::find(mapped[size_t(p)].begin(), mapped[size_t(p)].end(), r) != mapped[size_t(p)].end()) both.push_back(p);
+    return both;
+  };
   for (int r = 1; r < size_; ++r)
-    if (Status s = joined[size_t(r)].channel->write_line(json{{"type", "go"}}, deadline); !s.ok()) return s;
-  return {};
+    if (Status s = joined[size_t(r)].channel->write_line(json{{"type", "go"}, {"shm", mutual(r)}}, deadline); !s.ok()) return s;
+  return use_shared_memory(mutual(0));
 }
 
 Status Comm::join_rendezvous(const json& own, std::vector<json>& table, Clock::time_point deadline) {
@@ -626,12 +700,50 @@ Status Comm::join_rendezvous(const json& own, std::vector<json>& table, Clock::t
   if (!checked) return checked.status();
   table = std::move(*checked);
   Status connected = connect_peers(table);
-  json ready = connected.ok() ? json{{"type", "ready"}} : json{{"type", "failed"}, {"reason", connected.to_string()}};
+  if (connected.ok()) open_peer_segments(table);
+  json ready = connected.ok() ? json{{"type", "ready"}, {"shm", shm_opened_}} : json{{"type", "failed"}, {"reason", connected.to_string()}};
   if (Status s = channel.write_line(ready, deadline); !s.ok()) return s;
   if (!connected.ok()) return connected;
   auto go = channel.read_line(deadline);
   if (!go) return Status(go.status().code(), "rendezvous: rank 0 did not start the job: " + go.status().message());
   if ((*go)["type"] != "go") return Status(Errc::connection_refused, "rendezvous failed at rank 0: " + control::read_reason(*go));
+  auto pairs = read_shared_memory_pairs(*go, size_, rank_);
+  if (!pairs) return Status(Errc::protocol_error, "rendezvous: rank 0's go: " + pairs.status().message());
+  return use_shared_memory(*pairs);
+}
+
+void Comm::open_peer_segments(const std::vector<json>& table) {
+  if (!own_segment_) return;  // this rank keeps to the network
+  const detail::SegmentShape shape{uint32_t(size_), options_.slots, options_.chunk_bytes};
+  const json& host = table[size_t(rank_)].at("host");
+  for (const Peer& p : peers_) {
+    if (p.rank < 0) continue;
+    const json& theirs = table[size_t(p.rank)];  // checked by check_hello, "shm" included
+    const auto shm = theirs.find("shm");
+    if (theirs.at("host") != host || shm == theirs.end() || shm->is_null()) continue;
+    const uint64_t token = std::strtoull(shm->at("token").get<std::string>().c_str(), nullptr, 16);
+    auto segment = detail::SharedSegment::open(shm->at("name").get<std::string>(), token, shape);
+    if (!segment) {  // another /dev/shm (container), another user, a full tmpfs: the network it is
+      log().info("coll: rank {}: rank {} is on this host but its shared memory cannot be mapped ({}); using the network", rank_, p.rank,
+                 segment.status().to_string());
+      continue;
+    }
+    peer_segments_[size_t(p.rank)] = std::move(*segment);
+    shm_opened_.push_back(p.rank);
+  }
+}
+
+Status Comm::use_shared_memory(const std::vector<int>& pairs) {
+  for (int r : pairs) {
+    if (!peer_segments_[size_t(r)])  // rank 0 named a pair this rank never mapped
+      return Status(Errc::protocol_error, "rendezvous: rank 0 says rank " + std::to_string(r) + " shares memory with this rank, which did not map it");
+    peers_[size_t(r)].shm = peer_segments_[size_t(r)].get();
+  }
+  for (int r = 0; r < size_; ++r)
+    if (!peers_[size_t(r)].shm) peer_segments_[size_t(r)].reset();
+  shm_peers_ = int(pairs.size());
+  network_peers_ = size_ - 1 - shm_peers_;
+  counters_.shared_memory_peers = shm_peers_;
   return {};
 }
 
@@ -702,7 +814,7 @@ Status Comm::fail(Status s) {
     broken_ = s;
     log().warn("coll: rank {}: {}", rank_, s.to_string());
     for (Peer& p : peers_)  // best effort: tell the others to stop waiting for us
-      if (p.rank >= 0 && !p.qps.empty() && p.qps[0]->state() == QpState::rts) (void)post_control(p, abort_imm);
+      if (p.rank >= 0 && (p.shm || (!p.qps.empty() && p.qps[0]->state() == QpState::rts))) (void)post_control(p, abort_imm);
   }
   return s;
 }
@@ -729,6 +841,12 @@ Status Comm::complete_part(Peer& p, size_t qp) {
 }
 
 Status Comm::post_control(Peer& p, uint32_t imm) {
+  if (p.shm) {  // abort and bye are flags in the peer's segment (credits are release()'s)
+    p.shm->sender_line(rank_).flags.fetch_or(imm == abort_imm ? detail::ring_flag_abort : detail::ring_flag_bye, std::memory_order_release);
+    p.shm->ring_doorbell();
+    p.sends_completed = ++p.sends_posted;
+    return {};
+  }
   SendWr wr;
   wr.wr_id = channel_id(p.rank, 0);
   wr.opcode = WrOpcode::rdma_write_with_imm;
@@ -740,7 +858,106 @@ Status Comm::post_control(Peer& p, uint32_t imm) {
   return {};
 }
 
+Status Comm::no_progress(const Peer* waiting_for, const char* what) {
+  return fail(Status(Errc::timeout, std::string(call_name_) + ": no progress for " + std::to_string(options_.timeout.count()) + " ms waiting for " + what +
+                                        (waiting_for ? " of rank " + std::to_string(waiting_for->rank) : std::string()) + " (dead or hung?)"));
+}
+
 Status Comm::pump(const Peer* waiting_for, const char* what) {
+  if (shm_peers_ == 0) return pump_network(waiting_for, what);
+  // Read before looking, so that a ring after the look ends the sleep below.
+  const uint32_t bell = own_segment_->doorbell();
+  auto changed = poll_shared();
+  if (!changed) return changed.status();
+  bool progress = *changed;
+  if (network_peers_ > 0) {
+    WorkCompletion wcs[64];
+    const int n = cq_->poll(wcs);  // also drives the transport in inline mode
+    if (n > 0) {
+      progress = true;
+      if (Status s = take_completions(wcs, n); !s.ok()) return s;
+    }
+  }
+  const auto now = Clock::now();
+  if (progress) {
+    last_progress_ = now;
+    idle_polls_ = 0;
+    return {};
+  }
+  if (idle_polls_++ == 0) idle_since_ = now;
+  if (now - last_progress_ > options_.timeout) return no_progress(waiting_for, what);
+  // A rank on this host that died (kill -9) releases its segment's lock:
+  // an error now, not at the timeout. One system call every 20 ms of waiting.
+  if (waiting_for && waiting_for->shm && !waiting_for->said_bye && now - liveness_checked_ > std::chrono::milliseconds(20)) {
+    liveness_checked_ = now;
+    if (!waiting_for->shm->owner_alive())
+      return fail(Status(Errc::io_error, std::string(call_name_) + ": rank " + std::to_string(waiting_for->rank) +
+                                             " on this host exited without destroying its communicator (killed?) while this rank waited for " + what));
+  }
+  if (context_->wait_policy() == WaitPolicy::busy_poll || now - idle_since_ < std::chrono::microseconds(50)) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+    // Busy polling never sleeps, but gives the core away now and then so a
+    // peer descheduled on it can run.
+    if (idle_polls_ % 4096 == 0) sched_yield();
+    return {};
+  }
+  // Adaptive: sleep until a peer on this host rings. Waiting for a network
+  // peer, sleep in the CQ instead (it drives the transport); either way for
+  // at most 1 ms while the other kind may also bring something.
+  if (waiting_for && !waiting_for->shm) {
+    WorkCompletion wcs[64];
+    auto n = cq_->wait(wcs, std::chrono::milliseconds(1));
+    if (n) {
+      last_progress_ = Clock::now();
+      idle_polls_ = 0;
+      return take_completions(wcs, *n);
+    }
+    if (n.status().code() != Errc::timeout) return fail(n.status());
+    return {};
+  }
+  own_segment_->sleep_on_doorbell(bell, std::chrono::microseconds(network_peers_ > 0 ? 1000 : 20'000));
+  return {};
+}
+
+Result<bool> Comm::poll_shared() {
+  bool changed = false;
+  for (Peer& p : peers_) {
+    if (!p.shm) continue;
+    const detail::RingSenderLine& in = own_segment_->sender_line(p.rank);
+    const uint64_t posted = in.posted.load(std::memory_order_acquire);
+    if (posted != p.shm_seen) {
+      // The peer's words are as untrusted as a packet: a count that goes
+      // back or past the credits it was given is an error, not a read of
+      // slots it may still be writing.
+      if (posted < p.shm_seen || posted - p.data_consumed > options_.slots)
+        return fail(Status(Errc::protocol_error, "rank " + std::to_string(p.rank) + " wrote past its landing slots in shared memory"));
+      for (; p.shm_seen < posted; ++p.shm_seen) {
+        const uint64_t meta = own_segment_->meta(p.rank, p.shm_seen).load(std::memory_order_relaxed);  // ordered by `posted`
+        p.arrivals[0].push_back({uint32_t(meta >> 32), uint32_t(meta)});
+      }
+      changed = true;
+    }
+    const uint64_t consumed = p.shm->receiver_line(rank_).consumed.load(std::memory_order_acquire);
+    if (consumed != p.credits) {
+      if (consumed < p.credits || consumed > p.data_posted)
+        return fail(Status(Errc::protocol_error, "rank " + std::to_string(p.rank) + " returned credits it was never given (shared memory)"));
+      p.credits = consumed;
+      changed = true;
+    }
+    const uint32_t flags = in.flags.load(std::memory_order_acquire);
+    if (flags & detail::ring_flag_abort)
+      return fail(Status(Errc::io_error, std::string(call_name_) + ": rank " + std::to_string(p.rank) + " aborted the communicator (see its error)"));
+    if ((flags & detail::ring_flag_bye) && !p.said_bye) {
+      p.said_bye = true;
+      changed = true;
+    }
+  }
+  return changed;
+}
+
+Status Comm::pump_network(const Peer* waiting_for, const char* what) {
   WorkCompletion wcs[64];
   // Returns at the first completion; the timeout only paces the no-progress
   // check. An adaptive wait spins before it sleeps, so a short timeout here
@@ -748,19 +965,22 @@ Status Comm::pump(const Peer* waiting_for, const char* what) {
   auto n = cq_->wait(wcs, std::chrono::milliseconds(20));
   if (!n) {
     if (n.status().code() != Errc::timeout) return fail(n.status());
-    if (Clock::now() - last_progress_ > options_.timeout)
-      return fail(Status(Errc::timeout, std::string(call_name_) + ": no progress for " + std::to_string(options_.timeout.count()) + " ms waiting for " + what +
-                                            (waiting_for ? " of rank " + std::to_string(waiting_for->rank) : std::string()) + " (dead or hung?)"));
+    if (Clock::now() - last_progress_ > options_.timeout) return no_progress(waiting_for, what);
     return {};
   }
   last_progress_ = Clock::now();
-  for (int i = 0; i < *n; ++i) {
+  return take_completions(wcs, *n);
+}
+
+Status Comm::take_completions(const WorkCompletion* wcs, int n) {
+  for (int i = 0; i < n; ++i) {
     const WorkCompletion& wc = wcs[i];
     const int from = int(uint32_t(wc.wr_id));
     const size_t qp = size_t(wc.wr_id >> 32);
     if (from < 0 || from >= size_ || from == rank_ || qp >= options_.qps_per_peer)
       return fail(Status(Errc::protocol_error, "completion for an unknown peer"));
     Peer& p = peers_[size_t(from)];
+    if (p.shm) return fail(Status(Errc::protocol_error, "rank " + std::to_string(from) + " used the network although the pair agreed on shared memory"));
     if (wc.status != WcStatus::success)
       return fail(Status(Errc::io_error, std::string(call_name_) + ": transport to rank " + std::to_string(from) + " failed: " + to_string(wc.status) +
                                              (wc.status == WcStatus::retry_exceeded ? " (rank dead or unreachable)" : "")));
@@ -787,8 +1007,23 @@ Status Comm::pump(const Peer* waiting_for, const char* what) {
 Status Comm::send(Peer& p, const uint8_t* source, uint32_t lkey, size_t bytes, uint64_t* sequence) {
   while (!can_post(p))
     if (Status s = pump(&p, "credits"); !s.ok()) return s;
+  if (p.shm) {
+    // Straight into the peer's landing slot, then publish: the source may
+    // be reused at once (nothing will read it again).
+    if (bytes > options_.chunk_bytes) return fail(Status(Errc::invalid_argument, "communicator: a message larger than a landing slot"));
+    std::memcpy(p.shm->slots_of(rank_, p.rank) + (p.data_posted % options_.slots) * options_.chunk_bytes, source, bytes);
+    p.shm->meta(rank_, p.data_posted).store(uint64_t(data_imm(call_tag_, 1, p.call_sent)) << 32 | bytes, std::memory_order_relaxed);
+    p.shm->sender_line(rank_).posted.store(p.data_posted + 1, std::memory_order_release);
+    p.shm->ring_doorbell();
+    *sequence = p.last_data_send = p.sends_completed = ++p.sends_posted;
+    ++p.data_posted;
+    ++p.call_sent;
+    counters_.bytes_sent += bytes;
+    ++counters_.messages_sent;
+    return {};
+  }
   size_t part = 0;
-  const uint32_t parts = stripe(bytes, &part);
+  const uint32_t parts = stripe(p, bytes, &part);
   *sequence = p.last_data_send = number_send(p, parts);  // before any part can complete
   for (uint32_t j = 0; j < parts; ++j) {
     const size_t offset = size_t(j) * part;
@@ -811,7 +1046,7 @@ Status Comm::send(Peer& p, const uint8_t* source, uint32_t lkey, size_t bytes, u
 
 Result<const uint8_t*> Comm::receive(Peer& p, size_t bytes) {
   size_t part = 0;
-  const uint32_t parts = stripe(bytes, &part);
+  const uint32_t parts = stripe(p, bytes, &part);
   auto mismatch = [&] {
     return fail(Status(Errc::protocol_error,
                        std::string(call_name_) + ": rank " + std::to_string(p.rank) + "'s call does not match this rank's (" + call_name_ + " of " +
@@ -842,6 +1077,11 @@ Status Comm::release(Peer& p) {
   p.receiving_parts = 0;
   ++p.data_consumed;
   ++p.call_received;
+  if (p.shm) {  // the credit is the consumed count in our segment
+    own_segment_->receiver_line(p.rank).consumed.store(p.data_consumed, std::memory_order_release);
+    p.shm->ring_doorbell();
+    return {};
+  }
   while (p.sends_posted - p.sends_completed + 1 >= max_send_wr_)
     if (Status s = pump(&p, "send queue room"); !s.ok()) return s;
   if (Status s = post_control(p, credit_imm); !s.ok()) return fail(s);
@@ -879,7 +1119,7 @@ Status Comm::end_call(Status s) {
   for (Peer& p : peers_)
     if (p.rank >= 0)
       if (Status w = wait_sent(p, p.last_data_send, "acknowledgements"); !w.ok()) return w;
-  context_->flush_acknowledgements();
+  if (network_peers_ > 0) context_->flush_acknowledgements();
   return {};
 }
 

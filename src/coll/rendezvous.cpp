@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <string>
 
+#include "coll/shared_memory.hpp"
+
 namespace stellar::coll {
 
 using control::json;
@@ -76,7 +78,34 @@ Result<int> check_hello(const json& h, int world, const json& reference) {
   }
   if (world > 1)
     if (auto rkey = control::read_unsigned(h, "landing_rkey", 0, UINT32_MAX); !rkey) return malformed(r, rkey.status().message());
+  // Its shared-memory segment, which ranks on its host will map: a name of
+  // Stellar's shape (nothing else under /dev/shm) and the token its header holds.
+  if (const auto shm = h.find("shm"); shm != h.end() && !shm->is_null()) {
+    if (!shm->is_object()) return malformed(r, "'shm' is not an object");
+    auto name = control::read_string(*shm, "name", 96);
+    if (!name) return malformed(r, "shm: " + name.status().message());
+    if (!detail::valid_segment_name(*name)) return malformed(r, "shm: '" + control::printable(*name, 96) + "' is not a segment name");
+    auto token = control::read_string(*shm, "token", 16);
+    if (!token) return malformed(r, "shm: " + token.status().message());
+    if (token->size() != 16 || token->find_first_not_of("0123456789abcdef") != std::string::npos) return malformed(r, "shm: the token is not 16 hex digits");
+  }
   return r;
+}
+
+Result<std::vector<int>> read_shared_memory_pairs(const json& message, int world, int self) {
+  const auto list = message.find("shm");
+  if (list == message.end() || list->is_null()) return std::vector<int>{};
+  if (!list->is_array() || list->size() >= size_t(world)) return Status(Errc::protocol_error, "'shm' is not a list of fewer than " + std::to_string(world) + " ranks");
+  std::vector<int> ranks;
+  for (const json& entry : *list) {
+    if (!entry.is_number_integer() || entry.get<int64_t>() < 0 || entry.get<int64_t>() >= int64_t(world))
+      return Status(Errc::protocol_error, "'shm' holds something that is not a rank");
+    const int r = int(entry.get<int64_t>());
+    if (r == self || std::find(ranks.begin(), ranks.end(), r) != ranks.end())
+      return Status(Errc::protocol_error, "'shm' names rank " + std::to_string(r) + " twice or this rank itself");
+    ranks.push_back(r);
+  }
+  return ranks;
 }
 
 Result<std::vector<json>> check_table(const json& reply, int world, const json& own) {

@@ -3,10 +3,13 @@
 //   rank r -> rank 0   {"type":"hello", "version":3, "rank":r, "host", "cpus", "world_size", job
 //                       parameters..., "endpoints":[per rank: null for r itself,
 //                       else qps_per_peer endpoints], "landing":[per rank: null
-//                       or {"addr":u64}], "landing_rkey":u32}
+//                       or {"addr":u64}], "landing_rkey":u32,
+//                       "shm": null | {"name":"/stellar-coll-...", "token":16 hex digits}}
 //   rank 0 -> rank r   {"type":"table", "ranks":[every rank's hello]} | {"type":"error","reason"}
-//   rank r -> rank 0   {"type":"ready"} | {"type":"failed","reason"}
-//   rank 0 -> rank r   {"type":"go"} | {"type":"error","reason"}
+//   rank r -> rank 0   {"type":"ready", "shm":[ranks whose segment r mapped]} | {"type":"failed","reason"}
+//   rank 0 -> rank r   {"type":"go", "shm":[ranks r shares memory with]} | {"type":"error","reason"}
+// "shm" is optional everywhere (absent = none): a rank of an earlier
+// release simply talks over the network.
 // Everything a hello says is checked here before anyone uses it: types,
 // ranges, the table's shape, and the job parameters against the reader's
 // own (they decide which messages a call sends, so all ranks must agree).
@@ -31,5 +34,9 @@ Result<int> check_hello(const control::json& h, int world, const control::json& 
 // Checks rank 0's table (type "table") against `own` (this rank's hello):
 // every entry is a valid hello of its own rank. Returns the entries.
 Result<std::vector<control::json>> check_table(const control::json& reply, int world, const control::json& own);
+
+// The "shm" list of a ready or go message: distinct ranks of the job other
+// than `self`; absent means none.
+Result<std::vector<int>> read_shared_memory_pairs(const control::json& message, int world, int self);
 
 }  // namespace stellar::coll

@@ -1,6 +1,6 @@
 // libFuzzer target over the control plane's message handlers: every line a
 // peer can send the connection manager (connect, accept, reject) or the
-// collectives' rendezvous (hello, table, error) goes through the same
+// collectives' rendezvous (hello, table, ready, go, error) goes through the same
 // checks as on the wire. The input is one line; its first byte also picks
 // the world size the rendezvous checks assume. A crash, an abort, an
 // uncaught exception or (under the sanitizers) a bad read fails.
@@ -57,6 +57,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const json reference = hello(0, world);
   if (auto r = coll::check_hello(*j, world, reference); r && (*r < 0 || *r >= world)) __builtin_trap();
   (void)coll::check_table(*j, world, reference);
+  // A ready's or go's shared-memory pairs: distinct ranks, never the reader.
+  if (auto pairs = coll::read_shared_memory_pairs(*j, world, 0); pairs)
+    for (size_t i = 0; i < pairs->size(); ++i) {
+      const int r = (*pairs)[i];
+      if (r <= 0 || r >= world) __builtin_trap();
+      for (size_t k = 0; k < i; ++k)
+        if ((*pairs)[k] == r) __builtin_trap();
+    }
   // Messages that pass are written back out as the library would.
   if (auto m = control::parse_endpoint_message(*j, "connect"); m) {
     auto again = control::parse_endpoint_message(control::endpoint_message_json("connect", m->endpoint, m->private_data), "connect");

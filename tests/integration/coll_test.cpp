@@ -12,6 +12,9 @@
 
 #include <chrono>
 #include <cmath>
+#include <filesystem>
+#include <set>
+#include <string>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -21,6 +24,7 @@
 
 #include "coll/reduce.hpp"
 #include "coll/rendezvous.hpp"
+#include "coll/shared_memory.hpp"
 #include "core/control_messages.hpp"
 #include "stellar/coll.hpp"
 
@@ -49,6 +53,10 @@ CommunicatorOptions base_options(int rank, int world, uint16_t port) {
   o.master_port = port;
   o.timeout = 20s;
   o.context.wait = WaitPolicy::adaptive;  // more processes than cores here
+  // These ranks all share one host: the network path is what most tests
+  // are about (loss, reordering, striping, dead peers on the wire), so the
+  // shared-memory channel is turned on only by the tests that say so.
+  o.shared_memory = false;
   return o;
 }
 
@@ -465,6 +473,213 @@ TEST(Collectives, ASingleRankWorldCopies) {
   expect_all_zero(codes);
 }
 
+// ---- the shared-memory channel between ranks on one host ----
+
+void shared_memory(CommunicatorOptions& o) { o.shared_memory = true; }
+
+// The Stellar segments now in /dev/shm: a run must leave none behind.
+std::set<std::string> segments_in_dev_shm() {
+  std::set<std::string> names;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator("/dev/shm", ec))
+    if (entry.path().filename().string().rfind("stellar-coll-", 0) == 0) names.insert(entry.path().filename().string());
+  return names;
+}
+
+// Every rank reports its peers on shared memory, then the whole matrix.
+int all_peers_shared_then(Communicator& c, const std::vector<size_t>& counts, bool full) {
+  if (c.counters().shared_memory_peers != c.size() - 1) {
+    std::fprintf(stderr, "rank %d: %d of %d peers on shared memory\n", c.rank(), c.counters().shared_memory_peers, c.size() - 1);
+    return 9;
+  }
+  return exercise_all(c, counts, full);
+}
+
+TEST(SharedMemory, EveryOperationTypeAndReductionOnTwoThreeAndFourRanks) {
+  const auto before = segments_in_dev_shm();
+  auto small = [](CommunicatorOptions& o) {
+    small_chunks(o);
+    shared_memory(o);
+  };
+  expect_all_zero(run_ranks(2, [](Communicator& c, int) { return all_peers_shared_then(c, {0, 1, 2, 3, 1001, 12347}, true); }, small));
+  expect_all_zero(run_ranks(3, [](Communicator& c, int) { return all_peers_shared_then(c, {0, 1, 2, 5, 1001, 12347}, true); }, small));
+  expect_all_zero(run_ranks(4, [](Communicator& c, int) { return all_peers_shared_then(c, {0, 3, 4, 7, 4099}, false); }, small));
+  EXPECT_EQ(segments_in_dev_shm(), before) << "segments left in /dev/shm";
+}
+
+TEST(SharedMemory, SeveralMebibytesWithDefaultChunksAndEveryAlgorithm) {
+  expect_all_zero(run_ranks(3, [](Communicator& c, int) { return all_peers_shared_then(c, {(1u << 20) + 3}, false); }, shared_memory));
+  for (auto algorithm : {AllreduceAlgorithm::ring, AllreduceAlgorithm::recursive_doubling})
+    expect_all_zero(run_ranks(3, [](Communicator& c, int) { return all_peers_shared_then(c, {1, 999, 20001}, false); },
+                              [algorithm](CommunicatorOptions& o) {
+                                small_chunks(o);
+                                shared_memory(o);
+                                o.allreduce_algorithm = algorithm;
+                              }));
+}
+
+// A job mixing both paths: rank 2 keeps to the network (as a rank on
+// another host, or in a container with its own /dev/shm, would), the others
+// share memory among themselves and reach rank 2 over lossy, reordering
+// loopback; every pair must agree on which path it uses.
+TEST(SharedMemory, JobsMixingSharedMemoryAndNetworkPairsWork) {
+  auto mixed = [](CommunicatorOptions& o) {
+    small_chunks(o);
+    o.shared_memory = o.rank != 2;
+    o.context.faults = FaultOptions{0.02, 0.01, 0.02, 0};
+  };
+  expect_all_zero(run_ranks(4, [](Communicator& c, int rank) {
+    const int want = rank == 2 ? 0 : 2;
+    if (c.counters().shared_memory_peers != want) {
+      std::fprintf(stderr, "rank %d: %d peers on shared memory, want %d\n", rank, c.counters().shared_memory_peers, want);
+      return 9;
+    }
+    return exercise_all(c, {1, 7, 3001, 40000}, false);
+  }, mixed));
+}
+
+// kill -9 of a rank on the same host: its liveness lock goes with it, so
+// the others fail with io_error long before their (long) timeout.
+TEST(SharedMemory, AKilledRankIsAnErrorOnTheOthersAtOnce) {
+  const auto before = segments_in_dev_shm();
+  const auto codes = run_ranks(
+      3,
+      [](Communicator& comm, int rank) {
+        if (rank == 2) raise(SIGKILL);
+        std::vector<float> v(100000, 1.0f);
+        Status s = comm.allreduce(v.data(), v.data(), v.size(), DataType::float32, ReduceOp::sum);
+        std::fprintf(stderr, "rank %d: %s\n", rank, s.to_string().c_str());
+        if (s.ok()) return 1;
+        return s.code() == Errc::io_error && !comm.barrier().ok() ? 0 : 5;
+      },
+      [](CommunicatorOptions& o) {
+        shared_memory(o);
+        o.timeout = 60s;  // the harness gives up at 30 s: only the lock can end this in time
+      },
+      30s);
+  EXPECT_EQ(codes[0], 0);
+  EXPECT_EQ(codes[1], 0);
+  EXPECT_EQ(codes[2], -SIGKILL);
+  EXPECT_EQ(segments_in_dev_shm(), before) << "segments left in /dev/shm";
+}
+
+TEST(SharedMemory, AHungRankTimesOutAndMismatchedCallsFail) {
+  const auto hung = run_ranks(
+      2,
+      [](Communicator& comm, int rank) -> int {
+        if (rank == 1) raise(SIGSTOP);
+        std::vector<int32_t> v(10, 1);
+        Status s = comm.allreduce(v.data(), v.data(), v.size(), DataType::int32, ReduceOp::sum);
+        std::fprintf(stderr, "rank %d: %s\n", rank, s.to_string().c_str());
+        _exit(s.code() == Errc::timeout ? 0 : 1);
+      },
+      [](CommunicatorOptions& o) {
+        shared_memory(o);
+        o.timeout = 2s;
+      },
+      8s);
+  EXPECT_EQ(hung[0], 0);
+  EXPECT_EQ(hung[1], -SIGKILL);
+  for (int variant = 0; variant < 2; ++variant) {
+    const auto codes = run_ranks(
+        2,
+        [variant](Communicator& comm, int rank) {
+          std::vector<float> v(300000, 1.0f);
+          Status s = variant == 0 ? comm.allreduce(v.data(), v.data(), rank == 0 ? 1000 : 2000, DataType::float32, ReduceOp::sum)
+                                  : comm.allreduce(v.data(), v.data(), rank == 0 ? 200000 : 100000, DataType::float32, ReduceOp::max);
+          std::fprintf(stderr, "rank %d (variant %d): %s\n", rank, variant, s.to_string().c_str());
+          return s.code() == Errc::protocol_error || s.code() == Errc::io_error ? 0 : 1;
+        },
+        [](CommunicatorOptions& o) {
+          shared_memory(o);
+          o.timeout = 5s;
+        },
+        60s);
+    EXPECT_EQ(codes[0], 0) << "variant " << variant;
+    EXPECT_EQ(codes[1], 0) << "variant " << variant;
+  }
+}
+
+// A rank that never arrives: the others give up at bootstrap and still
+// remove their segments.
+TEST(SharedMemory, AFailedBootstrapLeavesNothingInDevShm) {
+  const auto before = segments_in_dev_shm();
+  const auto codes = run_ranks(
+      3, [](Communicator&, int) { return 0; },
+      [](CommunicatorOptions& o) {
+        shared_memory(o);
+        o.timeout = 2s;
+        if (o.rank == 2) _exit(7);
+      },
+      30s);
+  EXPECT_NE(codes[0], 0);
+  EXPECT_NE(codes[1], 0);
+  EXPECT_EQ(codes[2], 7);
+  EXPECT_EQ(segments_in_dev_shm(), before) << "segments left in /dev/shm";
+}
+
+// The segment itself: a peer maps it only with the published token and the
+// job's shape, sees the owner alive while its lock is held and gone after.
+TEST(SharedMemory, SegmentsOpenOnlyWithTheirTokenAndShapeAndTellLiveness) {
+  const detail::SegmentShape shape{3, 4, 8192};
+  auto own = detail::SharedSegment::create(shape, "test");
+  ASSERT_TRUE(own) << own.status().to_string();
+  const std::string name = (*own)->name();
+  EXPECT_TRUE(detail::valid_segment_name(name)) << name;
+  EXPECT_FALSE(detail::SharedSegment::open(name, (*own)->token() ^ 1, shape)) << "wrong token";
+  EXPECT_FALSE(detail::SharedSegment::open(name, (*own)->token(), detail::SegmentShape{3, 8, 8192})) << "wrong shape";
+  EXPECT_FALSE(detail::SharedSegment::open("/stellar-coll-none-0000000000000000", 1, shape)) << "no such segment";
+  for (const char* bad : {"/etc/passwd", "/stellar-coll-../x", "stellar-coll-x", "/stellar-coll-", "/stellar-coll-A"})
+    EXPECT_FALSE(detail::valid_segment_name(bad)) << bad;
+  auto peer = detail::SharedSegment::open(name, (*own)->token(), shape);
+  ASSERT_TRUE(peer) << peer.status().to_string();
+  // The same memory: what one side writes in its landing slots the other sees.
+  (*own)->slots_of(1, 0)[5] = 42;
+  EXPECT_EQ((*peer)->slots_of(1, 0)[5], 42);
+  EXPECT_EQ((*peer)->slots_of(2, 0), (*peer)->slots_of(1, 0) + 4 * 8192);
+  EXPECT_TRUE((*peer)->owner_alive());
+  const uint32_t bell = (*own)->doorbell();
+  (*peer)->ring_doorbell();
+  EXPECT_NE((*own)->doorbell(), bell);
+  (*own)->sleep_on_doorbell(bell, std::chrono::microseconds(1'000'000));  // returns at once: it rang
+  own->reset();
+  EXPECT_FALSE((*peer)->owner_alive());
+  EXPECT_FALSE(std::filesystem::exists("/dev/shm" + name)) << "the owner removes its name";
+}
+
+TEST(Rendezvous, SharedMemoryFieldsAreChecked) {
+  QpEndpoint e;
+  e.address = "127.0.0.1";
+  e.udp_port = 40000;
+  e.qp_num = 7;
+  e.token = 1;
+  const control::json good = control::json::parse(control::json{{"type", "hello"}, {"version", 3}, {"rank", 1}, {"host", "0123456789abcdef"}, {"cpus", "3"},
+                              {"world_size", 2}, {"mode", "stellar"}, {"slots", 4}, {"chunk_bytes", 524288},
+                              {"allreduce_algorithm", 0}, {"small_message_bytes", 65536}, {"qps_per_peer", 1},
+                              {"endpoints", {control::json::array({control::endpoint_json(e)}), nullptr}},
+                              {"landing", {{{"addr", 4096}}, nullptr}}, {"landing_rkey", 9},
+                              {"shm", {{"name", "/stellar-coll-r1-0123456789abcdef"}, {"token", "00000000000000ff"}}}}.dump());
+  ASSERT_TRUE(coll::check_hello(good, 2, good)) << coll::check_hello(good, 2, good).status().to_string();
+  control::json none = good;
+  none["shm"] = nullptr;
+  EXPECT_TRUE(coll::check_hello(none, 2, good));
+  none.erase("shm");
+  EXPECT_TRUE(coll::check_hello(none, 2, good)) << "an earlier release sends no shm";
+  for (const char* bad : {R"("x")", R"({"name":"/dev/../etc/shadow","token":"00000000000000ff"})", R"({"name":"/stellar-coll-a","token":"ff"})",
+                          R"({"name":"/stellar-coll-a","token":"zz00000000000000"})", R"({"name":5,"token":"00000000000000ff"})",
+                          R"({"token":"00000000000000ff"})"}) {
+    control::json h = good;
+    h["shm"] = control::json::parse(bad);
+    EXPECT_FALSE(coll::check_hello(h, 2, good)) << bad;
+  }
+  using control::json;
+  EXPECT_EQ(coll::read_shared_memory_pairs(json::parse(R"({"type":"go","shm":[1,3]})"), 4, 0).value(), (std::vector<int>{1, 3}));
+  EXPECT_TRUE(coll::read_shared_memory_pairs(json::parse(R"({"type":"go"})"), 4, 0).value().empty());
+  for (const char* bad : {R"({"shm":[0]})", R"({"shm":[1,1]})", R"({"shm":[4]})", R"({"shm":[-1]})", R"({"shm":["1"]})", R"({"shm":{}})",
+                          R"({"shm":[1,2,3,1]})"})
+    EXPECT_FALSE(coll::read_shared_memory_pairs(json::parse(bad), 4, 0)) << bad;
+}
+
 TEST(CommunicatorOptions, ReadsTorchrunAndMpirunEnvironments) {
   unsetenv("OMPI_COMM_WORLD_RANK");
   unsetenv("OMPI_COMM_WORLD_SIZE");
@@ -494,6 +709,14 @@ TEST(CommunicatorOptions, ReadsTorchrunAndMpirunEnvironments) {
   setenv("STELLAR_COLL_QPS_PER_PEER", "17", 1);
   EXPECT_EQ(CommunicatorOptions::from_environment().status().code(), Errc::invalid_argument);
   unsetenv("STELLAR_COLL_QPS_PER_PEER");
+  setenv("STELLAR_COLL_SHM", "0", 1);
+  o = CommunicatorOptions::from_environment();
+  ASSERT_TRUE(o.ok());
+  EXPECT_FALSE(o->shared_memory);
+  setenv("STELLAR_COLL_SHM", "yes", 1);
+  EXPECT_EQ(CommunicatorOptions::from_environment().status().code(), Errc::invalid_argument);
+  unsetenv("STELLAR_COLL_SHM");
+  EXPECT_TRUE(CommunicatorOptions::from_environment().value().shared_memory) << "on by default";
 
   setenv("OMPI_COMM_WORLD_RANK", "2", 1);  // rank >= size
   EXPECT_EQ(CommunicatorOptions::from_environment().status().code(), Errc::invalid_argument);
