@@ -55,7 +55,7 @@ write_stream() {  # placement -> "application-s-per-GB gbps" over both processes
   echo "$(awk -v a="$app" -v g="$gb" 'BEGIN {printf "%.4f", a / g}') $gbps"
 }
 allreduce_16m() {  # placement -> application s/GB, the two ranks' figures summed (each per GB it reduced)
-  STELLAR_ENGINE=$1 "$allreduce" -N 2 -b 16M -e 16M -n 20 -w 2 --wait adaptive >"$dir/allreduce" 2>&1
+  STELLAR_ENGINE=$1 "$allreduce" -N 2 -b 16M -e 16M -n 20 -w 2 --wait adaptive --no-shm >"$dir/allreduce" 2>&1
   sed -n 's/.*application [0-9.]* s = \([0-9.]*\) s\/GB.*/\1/p' "$dir/allreduce" | awk '{s += $1} END {printf "%.4f", s}'
 }
 small_ops() {  # -> Mpps of 8-byte WRITEs over 16 QPs

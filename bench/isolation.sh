@@ -54,7 +54,7 @@ hog_start() {  # SECONDS [TENANT]: starts the hog; its MB/s average lands in $di
   hog_client=$!
 }
 allreduce() {  # -> µs per 1 MiB allreduce (2 ranks, tenant train)
-  STELLAR_TENANT_CREDENTIAL=train-secret "$ar" -N 2 -b 1M -e 1M -n 100 -w 5 --wait adaptive --tenant train |
+  STELLAR_TENANT_CREDENTIAL=train-secret "$ar" -N 2 -b 1M -e 1M -n 100 -w 5 --wait adaptive --no-shm --tenant train |
     awk '$1 == 1048576 {print $5}'
 }
 hog_wait() { wait $hog_client $hog_server; }  # not in $(...): a subshell cannot wait for our children

@@ -2,6 +2,7 @@
 # A 4-rank allreduce across both leaves of the testbed (issue 14): stellar
 # mode (each connection sprayed over 16 paths) beside roce mode (one path per
 # QP, hashed by ECMP), on a healthy fabric and with one spine degraded.
+# --no-shm: the namespaces share one kernel, and the fabric is the point.
 #
 # Ranks 0 and 1 sit on leaf 1 (hosts 1.1, 1.2), ranks 2 and 3 on leaf 2, so
 # the ring crosses the spines twice (1 -> 2 and 3 -> 0). Every leaf–spine
@@ -62,7 +63,7 @@ run() {
     # shellcheck disable=SC2086
     "$testbed" exec ${hosts[$r]} \
       env RANK=$r WORLD_SIZE=4 MASTER_ADDR="$master" MASTER_PORT="$port" \
-      timeout 300 "$allreduce" -b 1M -e 4M -f 2 -n 3 -w 1 -c 1 --wait adaptive --timeout 20000 --mode "$mode" "${extra[@]}" \
+      timeout 300 "$allreduce" -b 1M -e 4M -f 2 -n 3 -w 1 -c 1 --wait adaptive --no-shm --timeout 20000 --mode "$mode" "${extra[@]}" \
       > "$work/$label.rank$r" 2>&1 &
     pids+=($!)
   done

@@ -2,7 +2,8 @@
 # The demo: builds Stellar and runs the ping-pong example over loopback on
 # the soft provider, in both wire modes, then once more with 1% injected loss;
 # then the allreduce example (nccl-tests' all_reduce_perf format) on local
-# ranks: a size sweep on 2 ranks and every data type and reduction on 3.
+# ranks: a size sweep on 2 ranks over the network path and through shared
+# memory, and every data type and reduction on 3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
@@ -22,7 +23,9 @@ run roce 0
 run stellar 0.01
 run roce 0.01
 
-echo; echo "=== allreduce, 2 local ranks, float sum, 1 KiB .. 16 MiB ==="
+echo; echo "=== allreduce, 2 local ranks over the soft provider (loopback UDP, --no-shm), float sum, 1 KiB .. 16 MiB ==="
+build/examples/stellar_allreduce -N 2 -b 1K -e 16M -f 4 -n 10 -w 3 --no-shm
+echo; echo "=== the same through the shared-memory channel (the default for ranks on one host) ==="
 build/examples/stellar_allreduce -N 2 -b 1K -e 16M -f 4 -n 10 -w 3
 echo; echo "=== allreduce, 3 local ranks, every data type and reduction, 8 B .. 64 KiB, checked ==="
 build/examples/stellar_allreduce -N 3 -b 8 -e 64K -f 8 -n 3 -w 1 -d all -o all
