@@ -324,6 +324,14 @@ Result<std::string> local_address_towards(const asio::ip::address& to, uint16_t 
   return s.local_endpoint().address().to_string();
 }
 
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
 uint16_t fnv16(std::initializer_list<uint64_t> values) {
   uint64_t h = 1469598103934665603ull;
   for (uint64_t v : values)
@@ -440,7 +448,13 @@ class Comm final : public Communicator {
   Status receive_all(Peer& p, uint8_t* destination, size_t bytes, bool reduce);
   Status chain_broadcast(uint8_t* buffer, uint32_t lkey, size_t bytes, int root);
 
-  Result<std::unique_ptr<MemoryRegion>> register_range(const void* address, size_t bytes);
+  // A caller's buffer registered for one call, so the transport may read
+  // it; nothing when every peer is on shared memory (no transport reads it).
+  struct CallRegistration {
+    std::unique_ptr<MemoryRegion> mr;
+    uint32_t lkey() const { return mr ? mr->lkey() : 0; }
+  };
+  Result<CallRegistration> register_range(const void* address, size_t bytes);
   Result<uint8_t*> scratch(size_t bytes, uint32_t* lkey);
 
   CommunicatorOptions options_;
@@ -894,13 +908,26 @@ Status Comm::pump(const Peer* waiting_for, const char* what) {
       return fail(Status(Errc::io_error, std::string(call_name_) + ": rank " + std::to_string(waiting_for->rank) +
                                              " on this host exited without destroying its communicator (killed?) while this rank waited for " + what));
   }
-  if (context_->wait_policy() == WaitPolicy::busy_poll || now - idle_since_ < std::chrono::microseconds(50)) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#endif
+  const auto idle = now - idle_since_;
+  if (context_->wait_policy() == WaitPolicy::busy_poll) {
     // Busy polling never sleeps, but gives the core away now and then so a
     // peer descheduled on it can run.
     if (idle_polls_ % 4096 == 0) sched_yield();
+    else cpu_relax();
+    return {};
+  }
+  if (counters_.oversubscribed) {
+    // More ranks than CPUs: the peer this rank waits for most likely waits
+    // for this core. Give it away at once (as Open MPI does when
+    // oversubscribed) for a while before sleeping: spinning would burn the
+    // peer's time, and a futex wake-up costs a trip through the scheduler
+    // on both sides.
+    if (idle < std::chrono::microseconds(1000)) {
+      sched_yield();
+      return {};
+    }
+  } else if (idle < std::chrono::microseconds(50)) {
+    cpu_relax();
     return {};
   }
   // Adaptive: sleep until a peer on this host rings. Waiting for a network
@@ -959,6 +986,24 @@ Result<bool> Comm::poll_shared() {
 
 Status Comm::pump_network(const Peer* waiting_for, const char* what) {
   WorkCompletion wcs[64];
+  // Oversubscribed: poll and yield the core for up to 1 ms before the
+  // context's adaptive wait, whose spin would burn the time slice of the
+  // peer this rank waits for (see pump()).
+  if (counters_.oversubscribed && context_->wait_policy() == WaitPolicy::adaptive) {
+    const int n = cq_->poll(wcs);  // drives the transport in inline mode
+    const auto now = Clock::now();
+    if (n > 0) {
+      last_progress_ = now;
+      idle_polls_ = 0;
+      return take_completions(wcs, n);
+    }
+    if (idle_polls_++ == 0) idle_since_ = now;
+    if (now - idle_since_ < std::chrono::microseconds(1000)) {
+      if (now - last_progress_ > options_.timeout) return no_progress(waiting_for, what);
+      sched_yield();
+      return {};
+    }
+  }
   // Returns at the first completion; the timeout only paces the no-progress
   // check. An adaptive wait spins before it sleeps, so a short timeout here
   // would burn a spin per re-entry while a rank waits on its peer.
@@ -969,6 +1014,7 @@ Status Comm::pump_network(const Peer* waiting_for, const char* what) {
     return {};
   }
   last_progress_ = Clock::now();
+  idle_polls_ = 0;
   return take_completions(wcs, *n);
 }
 
@@ -1141,8 +1187,11 @@ void Comm::say_goodbye() {
   context_->flush_acknowledgements();
 }
 
-Result<std::unique_ptr<MemoryRegion>> Comm::register_range(const void* address, size_t bytes) {
-  return pd_->register_memory(const_cast<void*>(address), bytes, access_local_write);
+Result<Comm::CallRegistration> Comm::register_range(const void* address, size_t bytes) {
+  if (network_peers_ == 0) return CallRegistration{};
+  auto mr = pd_->register_memory(const_cast<void*>(address), bytes, access_local_write);
+  if (!mr) return mr.status();
+  return CallRegistration{std::move(*mr)};
 }
 
 Result<uint8_t*> Comm::scratch(size_t bytes, uint32_t* lkey) {
@@ -1150,7 +1199,7 @@ Result<uint8_t*> Comm::scratch(size_t bytes, uint32_t* lkey) {
     scratch_mr_.reset();
     scratch_ = allocate(bytes);
     if (!scratch_) return Status(Errc::resource_exhausted, "communicator: cannot allocate " + std::to_string(bytes) + " bytes of scratch");
-    auto mr = register_range(scratch_.get(), bytes);
+    auto mr = pd_->register_memory(scratch_.get(), bytes, access_local_write);
     if (!mr) return mr.status();
     scratch_mr_ = std::move(*mr);
     scratch_bytes_ = bytes;
@@ -1354,9 +1403,9 @@ Status Comm::allreduce(const void* send, void* recv, size_t count, DataType type
                      (options_.allreduce_algorithm == AllreduceAlgorithm::automatic && bytes <= options_.small_message_bytes);
   if (small) {
     if (send != recv) std::memcpy(recv, send, bytes);
-    return end_call(recursive_doubling(static_cast<uint8_t*>(recv), (*recv_mr)->lkey(), count));
+    return end_call(recursive_doubling(static_cast<uint8_t*>(recv), recv_mr->lkey(), count));
   }
-  std::unique_ptr<MemoryRegion> send_mr;
+  CallRegistration send_mr;
   if (send != recv) {
     auto mr = register_range(send, bytes);
     if (!mr) return fail(mr.status());
@@ -1365,7 +1414,7 @@ Status Comm::allreduce(const void* send, void* recv, size_t count, DataType type
   RingPlan plan;
   plan.contribution = static_cast<const uint8_t*>(send);
   plan.work = static_cast<uint8_t*>(recv);
-  plan.work_lkey = (*recv_mr)->lkey();
+  plan.work_lkey = recv_mr->lkey();
   plan.first_step = 0;
   plan.last_step = 2 * size_ - 3;
   for (int s = 0; s < size_; ++s) {
@@ -1374,7 +1423,7 @@ Status Comm::allreduce(const void* send, void* recv, size_t count, DataType type
   }
   const int first = (rank_ - 1 + size_) % size_;
   plan.first_source = plan.contribution + plan.offset[size_t(first)] * element_;
-  plan.first_lkey = send_mr ? send_mr->lkey() : plan.work_lkey;
+  plan.first_lkey = send_mr.mr ? send_mr.lkey() : plan.work_lkey;
   return end_call(ring(plan));
 }
 
@@ -1412,7 +1461,7 @@ Status Comm::reduce_scatter(const void* send, void* recv, size_t recv_count, Dat
     plan.offset.push_back(size_t(s) * recv_count);
   }
   plan.first_source = in + size_t((rank_ - 1 + size_) % size_) * block;
-  plan.first_lkey = (*send_mr)->lkey();
+  plan.first_lkey = send_mr->lkey();
   Status s = end_call(ring(plan));
   if (s.ok() && !direct) std::memcpy(out, *work + size_t(rank_) * block, block);
   return s;
@@ -1434,7 +1483,7 @@ Status Comm::allgather(const void* send, void* recv, size_t send_count, DataType
   if (!recv_mr) return fail(recv_mr.status());
   RingPlan plan;
   plan.work = out;
-  plan.work_lkey = (*recv_mr)->lkey();
+  plan.work_lkey = recv_mr->lkey();
   plan.first_step = size_ - 1;
   plan.last_step = 2 * size_ - 3;
   for (int s = 0; s < size_; ++s) {
@@ -1454,7 +1503,7 @@ Status Comm::broadcast(void* buffer, size_t count, DataType type, int root) {
   const size_t bytes = count * size_of(type);
   auto mr = register_range(buffer, bytes);
   if (!mr) return fail(mr.status());
-  return end_call(chain_broadcast(static_cast<uint8_t*>(buffer), (*mr)->lkey(), bytes, root));
+  return end_call(chain_broadcast(static_cast<uint8_t*>(buffer), mr->lkey(), bytes, root));
 }
 
 Status Comm::barrier() {
