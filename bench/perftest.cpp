@@ -63,7 +63,7 @@ struct Options {
   bool all = false, report_gbits = false, counters = false;
   uint32_t iterations = bandwidth_test ? 5000 : 1000;
   uint32_t duration = 0;  // seconds, bandwidth tests
-  uint32_t qps = 1, tx_depth = 128, mtu = 4096;
+  uint32_t qps = 1, tx_depth = 128, mtu = 0;  // mtu 0: automatic (ContextOptions::mtu)
   std::string cc = "auto";
   uint32_t cc_target_delay_us = 0;  // 0: the provider's default
   std::string wait = "busy";        // busy: spin on the CQ (perftest's way); adaptive: spin 50 us, then sleep
@@ -163,6 +163,7 @@ void setup(Side& side) {
   if (!o.hint.empty()) co.hints = check(JobHints::parse(o.hint), "--hint");
   co.tx_rate_bytes_per_s = o.tx_rate;
   side.ctx = check(Context::open(co), "open context");
+  side.o.mtu = side.ctx->options().mtu;  // the value chosen when automatic
   side.pd = check(side.ctx->allocate_pd(), "allocate PD");
   side.cq = check(side.ctx->create_cq(16384), "create CQ");
   const std::vector<uint64_t> sizes = sizes_of(o);
@@ -484,7 +485,9 @@ int main(int argc, char** argv) {
   if (bandwidth_test) app.add_option("-D,--duration", o.duration, "Run each size for this many seconds instead of -n");
   app.add_option("-q,--qp", o.qps, "Queue pairs (bandwidth tests spread over them)")->capture_default_str()->check(CLI::Range(1u, 64u));
   app.add_option("-t,--tx-depth", o.tx_depth, "Operations kept in flight (bandwidth)")->capture_default_str()->check(CLI::Range(1u, 4096u));
-  app.add_option("-m,--mtu", o.mtu, "Payload bytes per packet")->capture_default_str()->check(CLI::Range(256u, 16384u));
+  app.add_option("-m,--mtu", o.mtu, "Payload bytes per packet (0: the largest the interface carries, as perftest's default)")
+      ->capture_default_str()
+      ->check(CLI::Range(0u, 16384u));
   app.add_option("--wait_client", o.wait_client, "Server: seconds to wait for the client's connections")->capture_default_str()->check(CLI::Range(1u, 86400u));
   app.add_flag("--report_gbits", o.report_gbits, "Report bandwidth in Gbit/s");
   app.add_option("--wait", o.wait, "busy (spin on the CQ, as perftest) or adaptive (spin 50 us, then sleep: for more processes than cores)");
@@ -510,6 +513,7 @@ int main(int argc, char** argv) {
   Side side;
   side.o = o;
   setup(side);
+  o.mtu = side.o.mtu;  // the value chosen when automatic
   const bool client = !o.server.empty();
   const bool passive_server = !client && (op != Op::send || bandwidth_test) && !(op == Op::write && !bandwidth_test);
   nlohmann::json results = nlohmann::json::array();

@@ -40,7 +40,7 @@ struct Options {
   uint32_t slots = 8;
   std::string mode = "stellar";
   std::string bind = "127.0.0.1";
-  uint32_t mtu = 4096;
+  uint32_t mtu = 0;  // 0: automatic (ContextOptions::mtu)
   uint16_t paths = 0;  // 0: the context's default (ContextOptions, STELLAR_PATHS)
   std::string policy;
   double stall_ms = 10;
@@ -99,7 +99,9 @@ int main(int argc, char** argv) {
   app.add_option("--slots", o.slots, "Server ring slots = chunks in flight")->capture_default_str()->check(CLI::Range(1u, 256u));
   app.add_option("--mode", o.mode)->check(CLI::IsMember({"stellar", "roce"}))->capture_default_str();
   app.add_option("--bind", o.bind, "Local IPv4 address")->capture_default_str();
-  app.add_option("--mtu", o.mtu, "Payload bytes per packet")->capture_default_str()->check(CLI::Range(256u, 16384u));
+  app.add_option("--mtu", o.mtu, "Payload bytes per packet (0: the largest the interface carries)")
+      ->capture_default_str()
+      ->check(CLI::Range(0u, 16384u));
   app.add_option("--paths", o.paths, "Paths (UDP source ports) to spray over, stellar mode (default: the context's, 16)")
       ->check(CLI::Range(1, 256));
   app.add_option("--path_policy", o.policy, "oblivious, reps, two-choices or bandit (default: the context's)");

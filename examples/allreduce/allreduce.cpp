@@ -49,6 +49,7 @@ struct Options {
   std::string wait = "auto";
   bool verbose = false;
   bool no_shm = false;
+  uint32_t mtu = 0;  // payload bytes per packet; 0: the context's default
   std::string tenant, hint;  // docs/scheduler.md
   uint64_t tx_rate = 0;      // bytes/s the flow scheduler shapes each rank to (0: none)
 };
@@ -319,6 +320,8 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1u, 16u));
   app.add_option("--timeout", o.timeout_ms, "fail a call after this long without progress (ms)");
   app.add_flag("-v,--verbose", o.verbose, "print each rank's transport counters at the end");
+  app.add_option("-m,--mtu", o.mtu, "soft provider: payload bytes per packet (as perftest's -m; 0: the context's default)")
+      ->check(CLI::Range(0u, 16384u));
   app.add_flag("--no-shm", o.no_shm, "ranks on this host talk over the network too (default: shared memory between them; STELLAR_COLL_SHM=0)");
   app.add_option("--wait", o.wait, "busy (spin: lowest latency, one core per rank), adaptive (spin 50 us, then sleep) or auto: "
                  "busy, or adaptive when more ranks share this host than there are CPUs (counted at bootstrap)")
@@ -344,6 +347,7 @@ int main(int argc, char** argv) {
   const bool wait_given = app.count("--wait") > 0;
   base.chunk_bytes = *chunk;
   base.qps_per_peer = o.qps;
+  if (o.mtu) base.context.mtu = o.mtu;
   // STELLAR_COLL_SHM for forked ranks too (from_environment reads it under a launcher); --no-shm wins.
   if (const char* shm = std::getenv("STELLAR_COLL_SHM"); shm && o.local_ranks > 0) {
     if (std::string(shm) != "0" && std::string(shm) != "1") die("STELLAR_COLL_SHM", Status(Errc::invalid_argument, "0 or 1"));

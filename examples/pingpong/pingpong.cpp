@@ -42,7 +42,7 @@ struct Options {
   std::string provider = "soft";
   std::string bind = "127.0.0.1";
   std::string cm = "tcp";  // connection method
-  uint32_t mtu = 4096;
+  uint32_t mtu = 0;  // 0: automatic (ContextOptions::mtu)
   bool adaptive = false;
   bool all = false;
   uint32_t wait_client = 300;  // seconds the server waits for a client that connects
@@ -105,7 +105,9 @@ int main(int argc, char** argv) {
   app.add_option("--cm", o.cm, "Connection method: tcp (every provider) or rdma_cm (librdmacm; verbs provider)")
       ->check(CLI::IsMember({"tcp", "rdma_cm"}))
       ->capture_default_str();
-  app.add_option("--mtu", o.mtu, "Payload bytes per packet")->capture_default_str()->check(CLI::Range(256u, 16384u));
+  app.add_option("--mtu", o.mtu, "Payload bytes per packet (0: the largest the interface carries)")
+      ->capture_default_str()
+      ->check(CLI::Range(0u, 16384u));
   app.add_flag("--adaptive", o.adaptive, "Spin then sleep instead of pure busy-polling");
   app.add_option("--tenant", o.tenant, "Open the context as this tenant (its credential from STELLAR_TENANT_CREDENTIAL; docs/scheduler.md)");
   app.add_option("--hint", o.hint, "Job hints of the QPs: a kind (allreduce, all-to-all, parameter-fetch, kv-fetch, checkpoint, control) "
@@ -124,6 +126,7 @@ int main(int argc, char** argv) {
   if (!o.hint.empty()) co.hints = check(JobHints::parse(o.hint), "--hint");
   co.tx_rate_bytes_per_s = o.tx_rate;
   auto context = check(Context::open(co), "open context");
+  o.mtu = context->options().mtu;  // the value chosen when automatic
   auto pd = check(context->allocate_pd(), "allocate PD");
   auto cq = check(context->create_cq(1024), "create CQ");
   // -a sweeps 2 B .. 8 MiB over one connection, as perftest's -a does.

@@ -111,7 +111,14 @@ struct ContextOptions {
   // 0.0.0.0) falls back to the first usable GID (docs/verbs-provider.md).
   std::string bind_address = "127.0.0.1";
   uint16_t udp_port = 0;                   // 0: any free port (roce mode tries 4791 first)
-  uint32_t mtu = 4096;                     // payload bytes per packet
+  // Payload bytes per packet, [256, 16384]; 0 (the default, or
+  // STELLAR_MTU=auto): automatic. Soft provider: the largest power of two,
+  // at most 16384 in stellar mode and 4096 (RoCE's largest) in roce mode,
+  // whose datagram fits the MTU of the bound address's interface (16384 on
+  // loopback, 8192 with 9000-byte jumbo frames, 1024 on 1500-byte
+  // Ethernet); verbs: the port's active MTU. Both sides of a QP use the
+  // smaller of their two. Context::options() reports the value chosen.
+  uint32_t mtu = 0;
   ProgressMode progress = ProgressMode::inline_poll;
   // ProgressMode::daemon: the daemon's Unix socket. "" = $STELLAR_ENGINED_SOCKET,
   // else /run/stellar/engined.sock.

@@ -165,7 +165,9 @@ inline Context::Context(const EngineConfig& c, MemoryAccess& m, CompletionSink& 
   config.mtu = std::max<uint32_t>(256, config.mtu);
   config.max_read_responses = std::max<uint32_t>(1, config.max_read_responses);
   config.paths = config.mode == Mode::roce ? 1 : std::clamp<uint16_t>(config.paths, 1, max_paths);
-  config.path_burst_packets = std::max<uint32_t>(1, config.path_burst_packets);
+  // At most one 64 KiB GSO message's worth: with larger packets a burst
+  // would otherwise put several messages on one path.
+  config.path_burst_packets = std::clamp<uint32_t>(config.path_burst_packets, 1, std::max<uint32_t>(1, 65536 / config.mtu));
   config.max_response_burst = std::max<uint32_t>(1, config.max_response_burst);
   // Bounded by what the responder can hold: early in-order requests and the atomic replay cache.
   config.max_rd_atomic = std::clamp<uint32_t>(config.max_rd_atomic, 1, std::min(pending_capacity, atomic_replay_capacity));

@@ -268,8 +268,8 @@ class VerbsContext final : public Context {
   const ibv_port_attr& port() const { return port_; }
   bool ethernet() const { return port_.link_layer == IBV_LINK_LAYER_ETHERNET; }
   uint8_t traffic_class() const { return traffic_class_; }
-  // The path MTU this side offers: the port's active MTU, at most options().mtu.
-  uint32_t mtu() const { return std::min(mtu_bytes(port_.active_mtu), options_.mtu); }
+  // The path MTU this side offers: the port's active MTU, at most options().mtu (0: no cap).
+  uint32_t mtu() const { return std::min(mtu_bytes(port_.active_mtu), options_.mtu ? options_.mtu : 4096u); }
 
  private:
   struct Partition {
