@@ -207,5 +207,8 @@ uint32_t roce_icrc(const uint8_t* datagram, size_t length, const IcrcAddresses& 
 // over several pieces: ~crc32c_extend(crc32c_extend(~0u, a, n), b, m).
 uint32_t crc32c(const uint8_t* data, size_t length);
 uint32_t crc32c_extend(uint32_t reg, const uint8_t* data, size_t length);
+// CRC-32 (IEEE 802.3, zlib's crc32), the ICRC's, in the same raw-register
+// form: zlib's crc32(0, a, n) == ~crc32_extend(~0u, a, n).
+uint32_t crc32_extend(uint32_t reg, const uint8_t* data, size_t length);
 
 }  // namespace stellar::offload
