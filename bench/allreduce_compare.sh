@@ -9,7 +9,9 @@
 # figure is the median of ROUNDS runs (default 3), the programs alternating
 # so that drift on a shared machine hits all of them. Prints busbw (GB/s,
 # nccl-tests' definition) per size with Stellar's ratios to each peer, and the
-# 1 KiB times; writes the table as JSON to OUT (default
+# 1 KiB times, then the CPU seconds per GB of each (all ranks, user +
+# system, bench/cputime.py) for a 16 MiB allreduce loop, its start-up (a
+# one-call run) subtracted; writes the tables as JSON to OUT (default
 # bench-results/allreduce.json).
 # Usage: bench/allreduce_compare.sh BUILD_DIR [ROUNDS] [RANKS] [OUT] [-- extra stellar_allreduce options]
 set -euo pipefail
@@ -38,6 +40,20 @@ run() {  # tool round
 }
 
 tools=(stellar stellar_shm gloo mpi_tcp mpi_shm)
+
+# CPU per GB: a 16 MiB loop, minus the same program's start-up (one 8-byte call).
+cputime="python3 $(dirname "$0")/cputime.py"
+cpu_run() {  # tool size iterations
+  local size=$2 n=$3
+  case $1 in
+    stellar) $cputime "$work/cpu.$1" "$build/examples/stellar_allreduce" -N "$ranks" -b "$size" -e "$size" -n "$n" -w 0 -c 0 --no-shm "${extra[@]}" ;;
+    stellar_shm) $cputime "$work/cpu.$1" "$build/examples/stellar_allreduce" -N "$ranks" -b "$size" -e "$size" -n "$n" -w 0 -c 0 "${extra[@]}" ;;
+    gloo) $cputime "$work/cpu.$1" "$build/bench/gloo_allreduce" -N "$ranks" -b "$size" -e "$size" -n "$n" -w 0 ;;
+    mpi_tcp) $cputime "$work/cpu.$1" "${mpi[@]}" --mca btl self,tcp "$build/bench/mpi_allreduce" -b "$size" -e "$size" -n "$n" -w 0 ;;
+    mpi_shm) $cputime "$work/cpu.$1" "${mpi[@]}" --mca btl self,vader "$build/bench/mpi_allreduce" -b "$size" -e "$size" -n "$n" -w 0 ;;
+  esac > /dev/null 2>&1
+}
+cpu_iterations=40
 total=$((rounds * ${#tools[@]})); n=0; started=$(date +%s)
 for ((r = 1; r <= rounds; r++)); do
   for t in "${tools[@]}"; do
@@ -49,9 +65,15 @@ for ((r = 1; r <= rounds; r++)); do
   done
 done
 
-python3 - "$work" "$rounds" "$ranks" "$out" "${tools[@]}" <<'PY'
+for t in "${tools[@]}"; do
+  printf '[cpu] %-12s 16 MiB x %d, and its start-up\n' "$t" "$cpu_iterations" >&2
+  cpu_run "$t" 8 1
+  cpu_run "$t" 16M "$cpu_iterations"
+done
+
+python3 - "$work" "$rounds" "$ranks" "$out" "$cpu_iterations" "${tools[@]}" <<'PY'
 import json, statistics, sys, platform, os
-work, rounds, ranks, out, tools = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5:]
+work, rounds, ranks, out, cpu_iterations, tools = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), sys.argv[6:]
 # nccl-tests rows: size count type redop time algbw busbw #wrong [in-place group]
 results = {}  # tool -> size -> {"time": [...], "busbw": [...]}
 for t in tools:
@@ -85,6 +107,24 @@ for s in sizes:
 small = med.get("stellar", {}).get(1024, {}).get("time"), med.get("gloo", {}).get(1024, {}).get("time")
 if all(small):
     print(f"\n1 KiB: stellar {small[0]:.1f} us = {small[0] / small[1]:.2f}x Gloo's {small[1]:.1f} us (target <= 0.25x)")
-json.dump({"machine": f"{platform.node()} {os.cpu_count()} cpus", "ranks": ranks, "rounds": rounds, "rows": rows}, open(out, "w"), indent=1)
+# CPU seconds (every rank, user + system) per GB of allreduce vector: the
+# 16 MiB run minus the one-call start-up, over its calls (stellar_allreduce
+# runs each iteration out of place and in place: twice the calls).
+cpu = {}
+for t in tools:
+    try:
+        startup, loop = [float(x) for x in open(f"{work}/cpu.{t}").read().split()[:2]]
+    except (OSError, ValueError):
+        continue
+    calls = cpu_iterations * (2 if t.startswith("stellar") else 1)
+    cpu[t] = max(loop - startup, 0.0) / (calls * 16 * 1048576 / 1e9)
+if cpu:
+    print(f"\nCPU seconds per GB reduced, all {ranks} ranks, 16 MiB x {cpu_iterations}, start-up subtracted:")
+    for t in tools:
+        if t in cpu:
+            base = cpu.get("mpi_shm" if t == "stellar_shm" else "mpi_tcp")
+            print(f"  {t:12s} {cpu[t]:7.3f} s/GB" + (f"  ({cpu[t] / base:.2f}x {'mpi-shm' if t == 'stellar_shm' else 'mpi-tcp'})" if base and t.startswith("stellar") else ""))
+json.dump({"machine": f"{platform.node()} {os.cpu_count()} cpus", "ranks": ranks, "rounds": rounds, "rows": rows, "cpu_s_per_gb_16MiB": cpu},
+          open(out, "w"), indent=1)
 print(f"JSON: {out}")
 PY
