@@ -4,7 +4,8 @@
 # (`stellar`, and `roce` = the raw-RoCEv2 baseline) against UCX over TCP
 # (ucx_perftest), kernel TCP (iperf3) and raw UDP (sockperf), for
 #   - small-message latency, p50 and p99, by message size
-#   - 1 MiB bandwidth
+#   - 1 MiB bandwidth, and beside it the CPU seconds per GB moved (both
+#     processes, user + system, bench/cputime.py; stellar, roce, UCX, iperf3)
 #   - goodput under 0, 0.1% and 1% loss (loopback: the soft provider's
 #     STELLAR_FAULT_DROP on both processes; testbed: nftables drop on spine 1,
 #     with the flows pinned to spine 1 both ways; TCP only on the testbed)
@@ -61,6 +62,7 @@ testbed_up=0
 cleanup() {
   local pid
   for pid in "${servers[@]}"; do kill "$pid" 2> /dev/null || true; done
+  rm -f "$cpu_log"
   ((testbed_up)) && "$testbed" down
   return 0
 }
@@ -110,6 +112,11 @@ pin_port() {  # SERVER_PORT PROTO -> client port
 }
 
 set_loss() { "$testbed" set-loss spine 1 "$2"; }  # ENV PCT, testbed only
+cpu_log=$(mktemp)
+cpu_per_gb() {  # BYTES -> "cpu=S" (seconds per GB, the processes logged since the last call)
+  awk -v b="$1" '{s += $1} END {if (b > 0) printf "cpu=%.4f\n", s / (b / 1e9)}' "$cpu_log"
+  : > "$cpu_log"
+}
 fault_env() {  # ENV PCT -> STELLAR_FAULT_DROP probability (loopback only)
   if [[ $1 == lo ]]; then python3 -c "print(float('$2') / 100)"; else echo 0; fi; }
 
@@ -154,12 +161,17 @@ stellar_bw() {  # ENV MODE LOSS_PCT -> GB/s (10^9)
   # process would starve the namespaces' software routers of the 2 cores.
   local server_wait=()
   [[ $env == tb ]] && server_wait=(--wait adaptive)
-  background on "$env" "$server_node" env STELLAR_FAULT_DROP="$drop" timeout 90 "$bw_bin" --bind "$s" -p $port "${pins[@]}" \
+  : > "$cpu_log"
+  background on "$env" "$server_node" env STELLAR_FAULT_DROP="$drop" python3 "$here/../cputime.py" "$cpu_log" timeout 90 "$bw_bin" --bind "$s" -p $port "${pins[@]}" \
     --mode "$mode" -s 1048576 -D $bw_seconds -t 16 "${server_wait[@]}" > /dev/null
   [[ $env == tb ]] && pins=(--udp_port "$stellar_pin")
-  on "$env" "$client_node" env STELLAR_FAULT_DROP="$drop" timeout 90 "$bw_bin" "$s" --bind "$c" -p $port "${pins[@]}" \
-    --mode "$mode" -s 1048576 -D $bw_seconds -t 16 | awk '$1 == 1048576 {printf "gbps=%.4f\n", $4 * 1048576 / 1e9}'
+  local report
+  report=$(mktemp)
+  on "$env" "$client_node" env STELLAR_FAULT_DROP="$drop" python3 "$here/../cputime.py" "$cpu_log" timeout 90 "$bw_bin" "$s" --bind "$c" -p $port "${pins[@]}" \
+    --mode "$mode" -s 1048576 -D $bw_seconds -t 16 --out_json "$report" | awk '$1 == 1048576 {printf "gbps=%.4f\n", $4 * 1048576 / 1e9}'
   reap
+  cpu_per_gb "$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['cpu']['bytes'])" "$report" 2> /dev/null || echo 0)"
+  rm -f "$report"
   [[ $env == tb ]] && set_loss tb 0
   return 0
 }
@@ -167,22 +179,28 @@ ucx_bw() {  # ENV -> GB/s; ucx_perftest's MB/s are 2^20 bytes
   local env=$1 s
   next_port
   s=$(addr "$env" "$server_node")
-  background on "$env" "$server_node" env UCX_TLS=tcp timeout 60 ucx_perftest -p $port > /dev/null 2>&1
+  : > "$cpu_log"
+  background on "$env" "$server_node" env UCX_TLS=tcp python3 "$here/../cputime.py" "$cpu_log" timeout 60 ucx_perftest -p $port > /dev/null 2>&1
   wait_listen "$env" "$server_node" $port tcp
-  on "$env" "$client_node" env UCX_TLS=tcp timeout 60 ucx_perftest "$s" -p $port -t tag_bw -s 1048576 -n 2000 2> /dev/null |
+  on "$env" "$client_node" env UCX_TLS=tcp python3 "$here/../cputime.py" "$cpu_log" timeout 60 ucx_perftest "$s" -p $port -t tag_bw -s 1048576 -n 2000 2> /dev/null |
     awk '/^Final:/ {printf "gbps=%.4f\n", $7 * 1048576 / 1e9}'
   reap
+  cpu_per_gb $((2000 * 1048576))
 }
 iperf_bw() {  # ENV LOSS_PCT -> GB/s; one TCP stream
   local env=$1 loss=$2 s pins=()
   next_port
   s=$(addr "$env" "$server_node")
   [[ $env == tb ]] && pins=(--cport "$(pin_port $port tcp)") && set_loss tb "$loss"
-  background on "$env" "$server_node" timeout 60 iperf3 -s -1 -B "$s" -p $port > /dev/null 2>&1
+  : > "$cpu_log"
+  background on "$env" "$server_node" python3 "$here/../cputime.py" "$cpu_log" timeout 60 iperf3 -s -1 -B "$s" -p $port > /dev/null 2>&1
   wait_listen "$env" "$server_node" $port tcp
-  on "$env" "$client_node" timeout 60 iperf3 -c "$s" -p $port "${pins[@]}" -t $bw_seconds -J 2> /dev/null |
-    python3 -c "import json,sys; print('gbps=%.4f' % (json.load(sys.stdin)['end']['sum_received']['bits_per_second'] / 8e9))"
+  local bytes
+  bytes=$(on "$env" "$client_node" python3 "$here/../cputime.py" "$cpu_log" timeout 60 iperf3 -c "$s" -p $port "${pins[@]}" -t $bw_seconds -J 2> /dev/null |
+    python3 -c "import json,sys; e = json.load(sys.stdin)['end']['sum_received']; print('gbps=%.4f %d' % (e['bits_per_second'] / 8e9, e['bytes']))")
+  echo "${bytes% *}"
   reap
+  cpu_per_gb "${bytes##* }"
   [[ $env == tb ]] && set_loss tb 0
   return 0
 }

@@ -63,6 +63,11 @@ def build_rows(runs):
             name = "1 MiB bandwidth" if loss == 0 else f"1 MiB goodput, {loss:g}% loss"
             rows.append((env, name, "GB/s", vals, ratio(vals["stellar"], vals["roce"]), "roce",
                          LOSS_MECHANISM[env] if loss else ""))
+            cpu = {t: median(runs, (env, "bw", t, 1048576, loss), "cpu") for t in TRANSPORTS}
+            if any(v is not None for v in cpu.values()):
+                rows.append((env, (name.replace("bandwidth", "CPU per GB") if loss == 0 else f"1 MiB CPU per GB, {loss:g}% loss"),
+                             "s/GB", cpu, ratio(cpu["stellar"], cpu["iperf3"]), "TCP",
+                             "both processes, user + system (bench/cputime.py)"))
         if any(k[0] == env and k[1] == "incast" for k in runs):
             note = "tbf 1gbit, 256 KB queue on leaf 2's downlink to the receiver"
             for t in ("stellar", "roce"):
