@@ -216,6 +216,12 @@ int UdpSocket::receive_batch(Datagram* batch, int count) {
   return n;
 }
 
+namespace {
+// Where a datagram's last bytes live (its trailer): two datagrams with the
+// same are one datagram sent twice.
+const void* last_bytes(const Datagram& d) { return d.part_count ? d.parts[d.part_count - 1].iov_base : d.data; }
+}  // namespace
+
 int UdpSocket::send_batch(Datagram* batch, int count, int& error) {
   error = 0;
   int done = 0;  // datagrams handed to the kernel (or given up on)
@@ -229,6 +235,7 @@ int UdpSocket::send_batch(Datagram* batch, int count, int& error) {
     int next = done;
     while (next < count && messages < max_batch) {
       const Datagram& first = batch[next];
+      if (fixup_ && next > done && last_bytes(first) == last_bytes(batch[next - 1])) break;  // its twin is in this call
       int run = 1;
       uint32_t bytes = first.length;
       size_t parts = first.part_count ? first.part_count : 1;
@@ -241,6 +248,7 @@ int UdpSocket::send_batch(Datagram* batch, int count, int& error) {
               d.tos != first.tos)
             break;
           if (batch[next + run - 1].length != first.length) break;  // only the last may be shorter
+          if (fixup_ && last_bytes(d) == last_bytes(batch[next + run - 1])) break;
           bytes += d.length;
           parts += more;
           ++run;
@@ -289,9 +297,17 @@ int UdpSocket::send_batch(Datagram* batch, int count, int& error) {
       ++messages;
       next += run;
     }
+    auto fix = [&](bool to_segments) {
+      for (int m = 0; m < messages; ++m)
+        for (int k = 1; k < sizes[m]; ++k) fixup_(batch[firsts[m] + k], to_segments ? 0 : uint32_t(k), to_segments ? uint32_t(k) : 0);
+    };
+    if (fixup_) fix(true);
     // One message (a ping-pong's usual case) costs less through sendmsg.
     const int n = messages == 1 ? (::sendmsg(fd_, &messages_[0].msg_hdr, MSG_DONTWAIT) >= 0 ? 1 : -1)
                                 : ::sendmmsg(fd_, messages_.data(), unsigned(messages), MSG_DONTWAIT);
+    const int send_errno = errno;
+    if (fixup_) fix(false);  // the kernel has copied what it took
+    errno = send_errno;
     if (n <= 0) {
       error = errno;
       if (errno == ENETUNREACH || errno == EADDRNOTAVAIL || errno == EINVAL) address_error_ = true;

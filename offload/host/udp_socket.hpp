@@ -86,13 +86,21 @@ class UdpSocket {
     return e;
   }
   // Send runs of equal-sized datagrams to one peer as one UDP GSO message
-  // (one syscall entry and one skb per up to 64 KiB). Off by default: with
-  // GSO the kernel numbers IP ids of the segments, which the RoCEv2 ICRC
-  // covers, so only the stellar mode turns it on.
+  // (one syscall entry and one skb per up to 64 KiB). Off by default. The
+  // kernel numbers the segments' IP ids, which the RoCEv2 ICRC covers: roce
+  // mode turns it on together with set_segment_fixup.
   void enable_gso(bool on) {
     gso_wanted_ = on;
     gso_ = on && gso_supported_;
   }
+  // For a protocol whose checksum covers the IPv4 id (RoCEv2's ICRC): GSO
+  // gives segment k of a message id k (a lone datagram has 0). With a fixup,
+  // send_batch calls it for every datagram it sends as segment k > 0 just
+  // before the system call (from 0 to k) and again after it (k to 0), so the
+  // datagrams keep their id-0 form; datagrams that share their last bytes
+  // (a fault filter's duplicate) never share a system call.
+  using SegmentFixup = void (*)(Datagram&, uint32_t from_position, uint32_t to_position);
+  void set_segment_fixup(SegmentFixup f) { fixup_ = f; }
   bool gso() const { return gso_; }
   // ECN: every datagram sent carries ECT(0) (DSCP 0), so that queues which
   // mark instead of dropping mark it; received ones report CE
@@ -124,6 +132,7 @@ class UdpSocket {
   bool sparse_ = false;  // the last receive found at most one datagram
   bool send_only_ = false, address_error_ = false;
   bool gso_wanted_ = false;
+  SegmentFixup fixup_ = nullptr;
   bool ecn_ = false;  // enable_gso's wish: a rebind starts from it, not from a fallback
   bool gro_supported_ = false;
   uint32_t quiet_receives_ = 0;  // lone datagrams in a row while GRO is on

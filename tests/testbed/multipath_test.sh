@@ -11,7 +11,9 @@
 #              connection retires its paths there and finishes, no error
 #   lossy      a spine drops 1% from the start
 #   degraded   a spine's links limited to 10% of the others' rate (tbf)
-#   roce       the baseline: roce mode (one path) finishes over the same fabric
+#   roce       the baseline: roce mode (one path) finishes over the same fabric,
+#              and every RoCEv2 datagram on leaf 1's host port has a correct
+#              ICRC for its IP id (UDP GSO segments: ids 0, 1, 2, ...)
 #   ecn        a spine marks every ECN-capable packet congestion-experienced: the
 #              marks reach the receiver, are echoed, and the default policy sends
 #              under a fifth of the packets through that spine (a fair share is a
@@ -125,9 +127,18 @@ case $case_name in
     ;;
 
   roce)
+    # Leaf 1 sees the datagrams as host 1.1's veth segmented its UDP GSO
+    # messages, each with the IP id the kernel gave it: every ICRC must be
+    # right for the bytes on the wire (what a RoCE NIC checks).
+    ip netns exec "${STB_PREFIX}leaf1" python3 "$here/roce_icrc_check.py" to-h1 2000 > "$work/icrc.log" 2>&1 &
+    icrc_pid=$!
+    sleep 0.3
     start_stream 200 262144 --mode roce
     wait_stream 200
     grep -q "paths 1 " "$work/client.log" || fail "roce mode used more than one path"
+    wait "$icrc_pid" || { cat "$work/icrc.log"; fail "ICRCs on the wire"; }
+    cat "$work/icrc.log"
+    grep -q "IP ids seen: \[0, 1, 2" "$work/icrc.log" || fail "no GSO-numbered IP ids on the wire (roce mode without GSO?)"
     ;;
 
   ecn)

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <zlib.h>
 
+#include <cstring>
 #include <vector>
 
 #include "stellar/offload/wire.hpp"
@@ -184,6 +185,43 @@ TEST(RoceWire, LayoutMatchesIbta) {
   EXPECT_EQ(buf[12 + 6], 0x10);
   EXPECT_EQ(buf[12 + 11], 0x42);          // R_Key
   EXPECT_EQ(buf[12 + 15], 0x03);          // DMA length
+}
+
+// UDP GSO gives segment k of a message IP id k, which the ICRC covers. The
+// fix a sender applies (roce_icrc_ip_id_delta) turns the id-0 ICRC into
+// exactly the ICRC over id k; a receiver accepts ids a GSO message can give
+// (below gso_ip_ids) and nothing else.
+TEST(RoceWire, IcrcFollowsTheIpIdOfGsoSegments) {
+  const IcrcAddresses a{0x0100007f, 0x0200007f, 49152, 4791};
+  for (uint32_t payload : {4u, 1000u, 4096u}) {
+    Header h;
+    h.opcode = opcode::write_only;
+    h.dest_qpn = 7;
+    h.psn = 11;
+    h.remote_addr = 0x1000;
+    h.rkey = 0x42;
+    h.dma_length = payload;
+    h.payload_length = payload;
+    std::vector<uint8_t> buf(payload + 128, 0);
+    const size_t n = encode(Mode::roce, h, buf.data(), buf.size(), a);
+    ASSERT_GT(n, 0u);
+    uint32_t icrc0;
+    std::memcpy(&icrc0, buf.data() + n - 4, 4);
+    ASSERT_EQ(icrc0, roce_icrc(buf.data(), n, a, 0));
+    for (uint16_t id : {uint16_t(1), uint16_t(2), uint16_t(37), uint16_t(63), uint16_t(64), uint16_t(4660)}) {
+      const uint32_t fixed = icrc0 ^ roce_icrc_ip_id_delta(n, id);
+      EXPECT_EQ(fixed, roce_icrc(buf.data(), n, a, id)) << "payload " << payload << " id " << id;
+      std::vector<uint8_t> segment(buf.begin(), buf.begin() + long(n));
+      std::memcpy(segment.data() + n - 4, &fixed, 4);
+      Header d;
+      EXPECT_EQ(decode(Mode::roce, segment.data(), n, a, d), id < gso_ip_ids ? DecodeError::none : DecodeError::bad_checksum)
+          << "payload " << payload << " id " << id;
+    }
+    std::vector<uint8_t> flipped(buf.begin(), buf.begin() + long(n));
+    flipped[n - 5] ^= 1;  // a payload bit
+    Header d;
+    EXPECT_EQ(decode(Mode::roce, flipped.data(), n, a, d), DecodeError::bad_checksum);
+  }
 }
 
 }  // namespace

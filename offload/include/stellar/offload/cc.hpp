@@ -144,6 +144,7 @@ class DcqcnControl final : public CongestionControl {
   bool recovering() const { return recovering_; }      // climbing back after a cut
 
  private:
+  uint64_t pacing_allowance_ns() const;
   void cut(uint64_t now_ns);
   void advance_timers(uint64_t now_ns);
   void increase_event();

@@ -201,7 +201,17 @@ bool peek_destination(Mode, const uint8_t* data, size_t length, uint16_t& pkey, 
 
 // RoCEv2 ICRC of a complete datagram whose last 4 bytes are the ICRC slot
 // (their value is ignored). Exposed for tests and benchmarks.
-uint32_t roce_icrc(const uint8_t* datagram, size_t length, const IcrcAddresses& addresses);
+// ip_id: the IPv4 identification the pseudo header carries (Linux sends 0
+// for a lone DF datagram from an unconnected socket; UDP GSO numbers a
+// message's segments 0, 1, 2, ...).
+uint32_t roce_icrc(const uint8_t* datagram, size_t length, const IcrcAddresses& addresses, uint16_t ip_id = 0);
+// What to XOR into the ICRC of a `length`-byte datagram (UDP payload) when
+// it leaves with IPv4 id `ip_id` instead of 0: how roce mode sends UDP GSO
+// messages (each segment's ICRC fixed for its id) and accepts them.
+uint32_t roce_icrc_ip_id_delta(size_t length, uint16_t ip_id);
+// IP ids a GSO message can give its segments (its most segments); a roce
+// receiver accepts an ICRC computed with any of them.
+inline constexpr uint16_t gso_ip_ids = 64;
 
 // CRC-32C (Castagnoli) of a buffer, and the raw-register form for checksums
 // over several pieces: ~crc32c_extend(crc32c_extend(~0u, a, n), b, m).
