@@ -160,10 +160,15 @@ __attribute__((target("sse4.2,pclmul"))) inline __m128i fold(__m128i x, __m128i 
   return _mm_xor_si128(_mm_clmulepi64_si128(x, k, 0x01), _mm_clmulepi64_si128(x, k, 0x10));
 }
 
-__attribute__((target("sse4.2,pclmul"))) uint32_t crc32c_lanes(__m128i x0, __m128i x1, __m128i x2, __m128i x3,
-                                                               const uint8_t* p, size_t n) {
-  static const __m128i by_four = _mm_set_epi64x(int64_t(uint64_t(x_pow_8n(68)) << 1), int64_t(uint64_t(x_pow_8n(60)) << 1));
-  static const __m128i by_one = _mm_set_epi64x(int64_t(uint64_t(x_pow_8n(20)) << 1), int64_t(uint64_t(x_pow_8n(12)) << 1));
+// Advances four lanes over p..p+n (64 bytes a step), folds them into one and
+// folds in the remaining 16-byte blocks; leaves p and n at the last < 16
+// bytes. The constants depend only on the polynomial.
+template <uint32_t Polynomial>
+__attribute__((target("sse4.2,pclmul"))) __m128i fold_lanes(__m128i x0, __m128i x1, __m128i x2, __m128i x3, const uint8_t*& p, size_t& n) {
+  static const __m128i by_four = _mm_set_epi64x(int64_t(uint64_t(x_pow_8n_by<Polynomial>(68)) << 1),
+                                                int64_t(uint64_t(x_pow_8n_by<Polynomial>(60)) << 1));
+  static const __m128i by_one = _mm_set_epi64x(int64_t(uint64_t(x_pow_8n_by<Polynomial>(20)) << 1),
+                                               int64_t(uint64_t(x_pow_8n_by<Polynomial>(12)) << 1));
   auto load = [](const uint8_t* q) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)); };
   for (; n >= 64; p += 64, n -= 64) {
     x0 = _mm_xor_si128(fold(x0, by_four), load(p));
@@ -175,6 +180,12 @@ __attribute__((target("sse4.2,pclmul"))) uint32_t crc32c_lanes(__m128i x0, __m12
   x = _mm_xor_si128(fold(x, by_one), x2);
   x = _mm_xor_si128(fold(x, by_one), x3);
   for (; n >= 16; p += 16, n -= 16) x = _mm_xor_si128(fold(x, by_one), load(p));
+  return x;
+}
+
+__attribute__((target("sse4.2,pclmul"))) uint32_t crc32c_lanes(__m128i x0, __m128i x1, __m128i x2, __m128i x3,
+                                                               const uint8_t* p, size_t n) {
+  const __m128i x = fold_lanes<crc32c_polynomial>(x0, x1, x2, x3, p, n);
   uint64_t c = _mm_crc32_u64(0, uint64_t(_mm_cvtsi128_si64(x)));
   c = _mm_crc32_u64(c, uint64_t(_mm_extract_epi64(x, 1)));
   return crc32c_sse42_continue(uint32_t(c), p, n);
@@ -226,22 +237,12 @@ STELLAR_AVX512 uint32_t crc32c_vclmul(uint32_t crc, const uint8_t* p, size_t n) 
 // and the tail (under 80 bytes). Several times zlib's speed on a 4 KiB
 // packet: the ICRC was the roce mode's largest cost per byte.
 __attribute__((target("sse4.2,pclmul"))) uint32_t crc32_clmul(uint32_t reg, const uint8_t* p, size_t n) {
-  static const __m128i by_four = _mm_set_epi64x(int64_t(uint64_t(x_pow_8n_by<crc32_polynomial>(68)) << 1),
-                                                int64_t(uint64_t(x_pow_8n_by<crc32_polynomial>(60)) << 1));
-  static const __m128i by_one = _mm_set_epi64x(int64_t(uint64_t(x_pow_8n_by<crc32_polynomial>(20)) << 1),
-                                               int64_t(uint64_t(x_pow_8n_by<crc32_polynomial>(12)) << 1));
   auto load = [](const uint8_t* q) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)); };
-  __m128i x0 = _mm_xor_si128(load(p), _mm_cvtsi32_si128(int(reg))), x1 = load(p + 16), x2 = load(p + 32), x3 = load(p + 48);
-  for (p += 64, n -= 64; n >= 64; p += 64, n -= 64) {
-    x0 = _mm_xor_si128(fold(x0, by_four), load(p));
-    x1 = _mm_xor_si128(fold(x1, by_four), load(p + 16));
-    x2 = _mm_xor_si128(fold(x2, by_four), load(p + 32));
-    x3 = _mm_xor_si128(fold(x3, by_four), load(p + 48));
-  }
-  __m128i x = _mm_xor_si128(fold(x0, by_one), x1);
-  x = _mm_xor_si128(fold(x, by_one), x2);
-  x = _mm_xor_si128(fold(x, by_one), x3);
-  for (; n >= 16; p += 16, n -= 16) x = _mm_xor_si128(fold(x, by_one), load(p));
+  const __m128i first = _mm_xor_si128(load(p), _mm_cvtsi32_si128(int(reg)));
+  const __m128i x1 = load(p + 16), x2 = load(p + 32), x3 = load(p + 48);
+  p += 64;
+  n -= 64;
+  const __m128i x = fold_lanes<crc32_polynomial>(first, x1, x2, x3, p, n);
   alignas(16) uint8_t last[16];
   _mm_store_si128(reinterpret_cast<__m128i*>(last), x);
   return crc32_zlib(crc32_zlib(0, last, 16), p, n);

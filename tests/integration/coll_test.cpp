@@ -354,20 +354,25 @@ TEST(Collectives, MoreRanksOnTheHostThanCpusWaitAdaptively) {
   }, [](CommunicatorOptions& o) { o.context.wait = WaitPolicy::busy_poll; }));
 }
 
-// The hello's host and CPU mask are checked like its other fields: a rank
-// that sends garbage there is refused with the reason, not trusted.
-TEST(Rendezvous, HostAndCpuMaskAreChecked) {
+// A valid hello of rank 1 in a 2-rank job, through text as on the wire
+// (numbers then parse as unsigned).
+static control::json valid_hello() {
   QpEndpoint e;
   e.address = "127.0.0.1";
   e.udp_port = 40000;
   e.qp_num = 7;
   e.token = 1;
-  // Through text, as on the wire (numbers then parse as unsigned).
-  const control::json good = control::json::parse(control::json{{"type", "hello"}, {"version", 3}, {"rank", 1}, {"host", "0123456789abcdef"}, {"cpus", "3"},
-                              {"world_size", 2}, {"mode", "stellar"}, {"slots", 4}, {"chunk_bytes", 524288},
-                              {"allreduce_algorithm", 0}, {"small_message_bytes", 65536}, {"qps_per_peer", 1},
-                              {"endpoints", {control::json::array({control::endpoint_json(e)}), nullptr}},
-                              {"landing", {{{"addr", 4096}}, nullptr}}, {"landing_rkey", 9}}.dump());
+  return control::json::parse(control::json{{"type", "hello"}, {"version", 3}, {"rank", 1}, {"host", "0123456789abcdef"}, {"cpus", "3"},
+                                            {"world_size", 2}, {"mode", "stellar"}, {"slots", 4}, {"chunk_bytes", 524288},
+                                            {"allreduce_algorithm", 0}, {"small_message_bytes", 65536}, {"qps_per_peer", 1},
+                                            {"endpoints", {control::json::array({control::endpoint_json(e)}), nullptr}},
+                                            {"landing", {{{"addr", 4096}}, nullptr}}, {"landing_rkey", 9}}.dump());
+}
+
+// The hello's host and CPU mask are checked like its other fields: a rank
+// that sends garbage there is refused with the reason, not trusted.
+TEST(Rendezvous, HostAndCpuMaskAreChecked) {
+  const control::json good = valid_hello();
   ASSERT_TRUE(coll::check_hello(good, 2, good)) << coll::check_hello(good, 2, good).status().to_string();
   for (auto [key, value] : std::vector<std::pair<const char*, control::json>>{
            {"host", 5}, {"host", std::string(65, 'a')}, {"cpus", "xyz"}, {"cpus", ""}, {"cpus", std::string(257, 'f')}, {"cpus", 3}}) {
@@ -648,17 +653,8 @@ TEST(SharedMemory, SegmentsOpenOnlyWithTheirTokenAndShapeAndTellLiveness) {
 }
 
 TEST(Rendezvous, SharedMemoryFieldsAreChecked) {
-  QpEndpoint e;
-  e.address = "127.0.0.1";
-  e.udp_port = 40000;
-  e.qp_num = 7;
-  e.token = 1;
-  const control::json good = control::json::parse(control::json{{"type", "hello"}, {"version", 3}, {"rank", 1}, {"host", "0123456789abcdef"}, {"cpus", "3"},
-                              {"world_size", 2}, {"mode", "stellar"}, {"slots", 4}, {"chunk_bytes", 524288},
-                              {"allreduce_algorithm", 0}, {"small_message_bytes", 65536}, {"qps_per_peer", 1},
-                              {"endpoints", {control::json::array({control::endpoint_json(e)}), nullptr}},
-                              {"landing", {{{"addr", 4096}}, nullptr}}, {"landing_rkey", 9},
-                              {"shm", {{"name", "/stellar-coll-r1-0123456789abcdef"}, {"token", "00000000000000ff"}}}}.dump());
+  control::json good = valid_hello();
+  good["shm"] = control::json{{"name", "/stellar-coll-r1-0123456789abcdef"}, {"token", "00000000000000ff"}};
   ASSERT_TRUE(coll::check_hello(good, 2, good)) << coll::check_hello(good, 2, good).status().to_string();
   control::json none = good;
   none["shm"] = nullptr;
