@@ -538,17 +538,30 @@ uint32_t roce_icrc(const uint8_t* datagram, size_t length, const IcrcAddresses& 
 // (the rest of the pseudo IPv4 header, UDP, and the datagram but its ICRC:
 // 18 + length bytes). One table per datagram length per thread: a bulk
 // stream's packets are nearly all one length.
+static_assert(gso_ip_ids == 64, "the delta table is built from six id bits");
+
 uint32_t roce_icrc_ip_id_delta(size_t length, uint16_t ip_id) {
   if (ip_id == 0) return 0;
-  auto delta = [length](uint16_t id) {
+  auto delta = [](uint32_t shift, uint16_t id) {
     const uint8_t bytes[2] = {uint8_t(id >> 8), uint8_t(id)};
-    return multiply_mod_by<crc32_polynomial>(x_pow_8n_by<crc32_polynomial>(18 + length), crc32_zlib(0, bytes, 2));
+    return multiply_mod_by<crc32_polynomial>(shift, crc32_zlib(0, bytes, 2));
   };
-  if (ip_id >= gso_ip_ids) return delta(ip_id);
+  if (ip_id >= gso_ip_ids) return delta(x_pow_8n_by<crc32_polynomial>(18 + length), ip_id);
+  // Linear in the id too: six basis deltas (one per bit) make the table, so
+  // a new length (a run's short last segment, or garbage of every length at
+  // the roce port) costs one power and six products, not 64 of each.
   thread_local size_t cached_length = 0;
   thread_local std::array<uint32_t, gso_ip_ids> cached{};
   if (cached_length != length) {
-    for (uint16_t k = 0; k < gso_ip_ids; ++k) cached[k] = delta(k);
+    const uint32_t shift = x_pow_8n_by<crc32_polynomial>(18 + length);
+    uint32_t basis[6];
+    for (int b = 0; b < 6; ++b) basis[b] = delta(shift, uint16_t(1u << b));
+    for (uint16_t k = 0; k < gso_ip_ids; ++k) {
+      uint32_t d = 0;
+      for (int b = 0; b < 6; ++b)
+        if (k >> b & 1) d ^= basis[b];
+      cached[k] = d;
+    }
     cached_length = length;
   }
   return cached[ip_id];

@@ -462,12 +462,14 @@ class Comm final : public Communicator {
   std::shared_ptr<Context> context_;
   std::shared_ptr<ProtectionDomain> pd_;
   std::shared_ptr<CompletionQueue> cq_;
+  // Shared memory: this rank's segment (holding its landing slots), the
+  // peers' segments it mapped (by rank), and how many pairs use which path.
+  // Declared before landing_mr_: the region is deregistered before the
+  // memory under it goes.
+  std::unique_ptr<detail::SharedSegment> own_segment_;
   AlignedBuffer landing_;  // the landing slots when they are not in own_segment_
   uint8_t* landing_base_ = nullptr;
   std::unique_ptr<MemoryRegion> landing_mr_;
-  // Shared memory: this rank's segment (holding its landing slots), the
-  // peers' segments it mapped (by rank), and how many pairs use which path.
-  std::unique_ptr<detail::SharedSegment> own_segment_;
   std::vector<std::unique_ptr<detail::SharedSegment>> peer_segments_;
   std::vector<int> shm_opened_;
   int shm_peers_ = 0, network_peers_ = 0;
@@ -931,8 +933,10 @@ Status Comm::pump(const Peer* waiting_for, const char* what) {
     return {};
   }
   // Adaptive: sleep until a peer on this host rings. Waiting for a network
-  // peer, sleep in the CQ instead (it drives the transport); either way for
-  // at most 1 ms while the other kind may also bring something.
+  // peer, sleep in the CQ instead (it drives the transport), at most 1 ms;
+  // waiting for a peer on this host while network peers exist, at most
+  // 100 us, since in inline mode the transport's acknowledgements and
+  // retransmissions to them move only when this rank polls.
   if (waiting_for && !waiting_for->shm) {
     WorkCompletion wcs[64];
     auto n = cq_->wait(wcs, std::chrono::milliseconds(1));
@@ -944,7 +948,7 @@ Status Comm::pump(const Peer* waiting_for, const char* what) {
     if (n.status().code() != Errc::timeout) return fail(n.status());
     return {};
   }
-  own_segment_->sleep_on_doorbell(bell, std::chrono::microseconds(network_peers_ > 0 ? 1000 : 20'000));
+  own_segment_->sleep_on_doorbell(bell, std::chrono::microseconds(network_peers_ > 0 ? 100 : 20'000));
   return {};
 }
 
@@ -953,6 +957,9 @@ Result<bool> Comm::poll_shared() {
   for (Peer& p : peers_) {
     if (!p.shm) continue;
     const detail::RingSenderLine& in = own_segment_->sender_line(p.rank);
+    // Flags before `posted`: the peer publishes its last message before its
+    // bye, so a bye seen here comes with every message before it.
+    const uint32_t flags = in.flags.load(std::memory_order_acquire);
     const uint64_t posted = in.posted.load(std::memory_order_acquire);
     if (posted != p.shm_seen) {
       // The peer's words are as untrusted as a packet: a count that goes
@@ -973,7 +980,6 @@ Result<bool> Comm::poll_shared() {
       p.credits = consumed;
       changed = true;
     }
-    const uint32_t flags = in.flags.load(std::memory_order_acquire);
     if (flags & detail::ring_flag_abort)
       return fail(Status(Errc::io_error, std::string(call_name_) + ": rank " + std::to_string(p.rank) + " aborted the communicator (see its error)"));
     if ((flags & detail::ring_flag_bye) && !p.said_bye) {

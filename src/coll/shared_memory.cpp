@@ -1,5 +1,6 @@
 #include "coll/shared_memory.hpp"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <sys/mman.h>
@@ -11,6 +12,7 @@
 #include <cerrno>
 #include <climits>
 #include <cstring>
+#include <ctime>
 #include <new>
 
 namespace stellar::coll::detail {
@@ -68,6 +70,30 @@ long futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* 
 
 SegmentHeader& header_of(uint8_t* base) { return *reinterpret_cast<SegmentHeader*>(base); }
 
+// Segments whose owner died before it removed the name (killed during the
+// rendezvous, where the name must exist): this user's, with the liveness
+// lock free, and untouched for a minute (a segment being created has no
+// lock yet for a moment). Without this each killed job would leave its
+// reserved pages in /dev/shm until reboot.
+void remove_stale_segments() {
+  DIR* dir = ::opendir("/dev/shm");
+  if (!dir) return;
+  const time_t now = ::time(nullptr);
+  while (const dirent* entry = ::readdir(dir)) {
+    const std::string name = std::string("/") + entry->d_name;
+    if (!valid_segment_name(name)) continue;
+    const int fd = ::shm_open(name.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW, 0);
+    if (fd < 0) continue;
+    struct stat st {};
+    flock probe = first_byte(F_WRLCK);
+    if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == ::geteuid() && now - st.st_mtime > 60 &&
+        ::fcntl(fd, F_OFD_GETLK, &probe) == 0 && probe.l_type == F_UNLCK)
+      ::shm_unlink(name.c_str());
+    ::close(fd);
+  }
+  ::closedir(dir);
+}
+
 }  // namespace
 
 bool valid_segment_name(const std::string& name) {
@@ -82,6 +108,7 @@ bool valid_segment_name(const std::string& name) {
 
 Result<std::unique_ptr<SharedSegment>> SharedSegment::create(const SegmentShape& shape, const std::string& tag) {
   if (shape.world < 2 || shape.slots == 0 || shape.chunk_bytes == 0) return Status(Errc::invalid_argument, "shared memory: empty segment shape");
+  remove_stale_segments();
   std::unique_ptr<SharedSegment> s(new SharedSegment());
   s->shape_ = shape;
   s->owner_ = true;

@@ -3,7 +3,10 @@
 // sizes from 0 to several MiB with odd counts, on 2, 3 and 4 ranks, with and
 // without fault injection; dead, hung and mismatched ranks.
 #include <gtest/gtest.h>
+#include <fcntl.h>
 #include <sched.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -18,6 +21,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <functional>
 #include <thread>
 #include <vector>
@@ -491,6 +495,11 @@ std::set<std::string> segments_in_dev_shm() {
   return names;
 }
 
+// No segment of this test's ranks is left (others' stale ones may go).
+void expect_no_new_segments(const std::set<std::string>& before) {
+  for (const std::string& name : segments_in_dev_shm()) EXPECT_TRUE(before.count(name)) << "left in /dev/shm: " << name;
+}
+
 // Every rank reports its peers on shared memory, then the whole matrix.
 int all_peers_shared_then(Communicator& c, const std::vector<size_t>& counts, bool full) {
   if (c.counters().shared_memory_peers != c.size() - 1) {
@@ -509,7 +518,7 @@ TEST(SharedMemory, EveryOperationTypeAndReductionOnTwoThreeAndFourRanks) {
   expect_all_zero(run_ranks(2, [](Communicator& c, int) { return all_peers_shared_then(c, {0, 1, 2, 3, 1001, 12347}, true); }, small));
   expect_all_zero(run_ranks(3, [](Communicator& c, int) { return all_peers_shared_then(c, {0, 1, 2, 5, 1001, 12347}, true); }, small));
   expect_all_zero(run_ranks(4, [](Communicator& c, int) { return all_peers_shared_then(c, {0, 3, 4, 7, 4099}, false); }, small));
-  EXPECT_EQ(segments_in_dev_shm(), before) << "segments left in /dev/shm";
+  expect_no_new_segments(before);
 }
 
 TEST(SharedMemory, SeveralMebibytesWithDefaultChunksAndEveryAlgorithm) {
@@ -565,7 +574,7 @@ TEST(SharedMemory, AKilledRankIsAnErrorOnTheOthersAtOnce) {
   EXPECT_EQ(codes[0], 0);
   EXPECT_EQ(codes[1], 0);
   EXPECT_EQ(codes[2], -SIGKILL);
-  EXPECT_EQ(segments_in_dev_shm(), before) << "segments left in /dev/shm";
+  expect_no_new_segments(before);
 }
 
 TEST(SharedMemory, AHungRankTimesOutAndMismatchedCallsFail) {
@@ -620,7 +629,7 @@ TEST(SharedMemory, AFailedBootstrapLeavesNothingInDevShm) {
   EXPECT_NE(codes[0], 0);
   EXPECT_NE(codes[1], 0);
   EXPECT_EQ(codes[2], 7);
-  EXPECT_EQ(segments_in_dev_shm(), before) << "segments left in /dev/shm";
+  expect_no_new_segments(before);
 }
 
 // The segment itself: a peer maps it only with the published token and the
@@ -650,6 +659,31 @@ TEST(SharedMemory, SegmentsOpenOnlyWithTheirTokenAndShapeAndTellLiveness) {
   own->reset();
   EXPECT_FALSE((*peer)->owner_alive());
   EXPECT_FALSE(std::filesystem::exists("/dev/shm" + name)) << "the owner removes its name";
+}
+
+// A segment left by a rank killed during the rendezvous (the name still
+// there, its lock free, untouched for over a minute) is removed by the next
+// segment created; a live one of the same age stays.
+TEST(SharedMemory, StaleSegmentsOfDeadRanksAreRemoved) {
+  const detail::SegmentShape shape{2, 1, 4096};
+  auto live = detail::SharedSegment::create(shape, "live");
+  ASSERT_TRUE(live) << live.status().to_string();
+  const std::string stale = "/stellar-coll-stale-00000000deadbeef";
+  const int fd = shm_open(stale.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, 4096), 0);
+  const timespec old[2] = {{std::time(nullptr) - 3600, 0}, {std::time(nullptr) - 3600, 0}};
+  ASSERT_EQ(futimens(fd, old), 0);
+  close(fd);
+  const int live_fd = shm_open((*live)->name().c_str(), O_RDWR, 0);
+  ASSERT_GE(live_fd, 0);
+  ASSERT_EQ(futimens(live_fd, old), 0);
+  close(live_fd);
+  auto next = detail::SharedSegment::create(shape, "next");
+  ASSERT_TRUE(next) << next.status().to_string();
+  EXPECT_FALSE(std::filesystem::exists("/dev/shm" + stale)) << "the stale segment is removed";
+  EXPECT_TRUE(std::filesystem::exists("/dev/shm" + (*live)->name())) << "a live one stays";
+  shm_unlink(stale.c_str());
 }
 
 TEST(Rendezvous, SharedMemoryFieldsAreChecked) {
