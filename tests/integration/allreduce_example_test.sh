@@ -24,6 +24,7 @@ cat "$work/forked"
 check_table "$work/forked" $((6 * 5 * 3))
 
 echo "--- shared memory between the forked ranks by default, the network with --no-shm or STELLAR_COLL_SHM=0"
+segments_before=$(ls /dev/shm | grep '^stellar-coll-' || true)
 "$bin" -N 3 -b 1M -e 1M -n 2 -w 1 > "$work/shm"
 check_table "$work/shm" 1
 grep -q '^# transport: .*shared memory 2 of 2 peers' "$work/shm" || { echo "shared memory not reported"; cat "$work/shm"; exit 1; }
@@ -33,7 +34,9 @@ grep -q '^# transport: .*shared memory off (--no-shm)' "$work/noshm" || { echo "
 STELLAR_COLL_SHM=0 "$bin" -N 2 -b 64K -e 64K -n 2 -w 1 > "$work/env-noshm"
 grep -q '^# transport: .*shared memory off' "$work/env-noshm" || { echo "STELLAR_COLL_SHM=0 not honoured"; cat "$work/env-noshm"; exit 1; }
 if STELLAR_COLL_SHM=maybe "$bin" -N 2 -b 8 -e 8 > "$work/env-bad" 2>&1; then echo "STELLAR_COLL_SHM=maybe accepted"; exit 1; fi
-ls /dev/shm | grep -q '^stellar-coll-' && { echo "segments left in /dev/shm:"; ls /dev/shm; exit 1; }
+segments_after=$(ls /dev/shm | grep '^stellar-coll-' || true)
+left=$(comm -13 <(echo "$segments_before" | sort) <(echo "$segments_after" | sort) | grep . || true)
+[[ -z $left ]] || { echo "segments left in /dev/shm: $left"; exit 1; }
 
 echo "--- torchrun-style environment, 2 ranks, 1 MiB..4 MiB (ring)"
 port=$((20000 + RANDOM % 12000))  # below the ephemeral range (32768-)
