@@ -85,6 +85,8 @@ void store(DataType t, void* b, size_t i, double v) {
     case DataType::float64: static_cast<double*>(b)[i] = v; break;
     case DataType::int32: static_cast<int32_t*>(b)[i] = int32_t(v); break;
     case DataType::int64: static_cast<int64_t*>(b)[i] = int64_t(v); break;
+    case DataType::uint8: static_cast<uint8_t*>(b)[i] = uint8_t(v); break;
+    case DataType::int8: static_cast<int8_t*>(b)[i] = int8_t(v); break;
     case DataType::float16: {  // small integers: exact, no rounding needed
       const uint16_t h = v == 0 ? 0 : uint16_t(((int(std::log2(v)) + 15) << 10) | uint16_t((v / std::exp2(int(std::log2(v))) - 1) * 1024));
       static_cast<uint16_t*>(b)[i] = h;
@@ -106,6 +108,8 @@ double load(DataType t, const void* b, size_t i) {
     case DataType::float64: return static_cast<const double*>(b)[i];
     case DataType::int32: return static_cast<const int32_t*>(b)[i];
     case DataType::int64: return double(static_cast<const int64_t*>(b)[i]);
+    case DataType::uint8: return static_cast<const uint8_t*>(b)[i];
+    case DataType::int8: return static_cast<const int8_t*>(b)[i];
     case DataType::float16: {
       const uint16_t h = static_cast<const uint16_t*>(b)[i];
       const int e = (h >> 10) & 0x1f, m = h & 0x3ff;

@@ -39,12 +39,14 @@
 
 namespace stellar::coll {
 
-enum class DataType { float32, float16, bfloat16, float64, int32, int64 };
-enum class ReduceOp { sum, prod, min, max, avg };  // avg: sum / number of ranks (integer division for integers)
+enum class DataType { float32, float16, bfloat16, float64, int32, int64, uint8, int8 };
+// avg: sum / number of ranks (integer division for integers). band, bor,
+// bxor: bitwise, integer types only (invalid_argument on floating types).
+enum class ReduceOp { sum, prod, min, max, avg, band, bor, bxor };
 
 size_t size_of(DataType);
-const char* to_string(DataType);  // "float", "half", "bfloat16", "double", "int32", "int64" (nccl-tests names)
-const char* to_string(ReduceOp);  // "sum", "prod", "min", "max", "avg"
+const char* to_string(DataType);  // "float", "half", "bfloat16", "double", "int32", "int64", "uint8", "int8" (nccl-tests names)
+const char* to_string(ReduceOp);  // "sum", "prod", "min", "max", "avg", "band", "bor", "bxor"
 // Accepts the names above and the aliases nccl-tests and PyTorch use
 // ("float32", "fp16", "bf16", "float64", "int", ...).
 Result<DataType> parse_data_type(const std::string&);
@@ -108,6 +110,22 @@ struct CommunicatorOptions {
   static Result<CommunicatorOptions> from_environment();  // on top of the defaults
 };
 
+// A key-value store every rank of the job reaches (torch.distributed's
+// Store, a file system, etcd): Communicator::create(options, store) runs the
+// rendezvous through it instead of serving one at rank 0, so a framework
+// that already has a store does not open a second rendezvous port. Keys are
+// written once; a store shared by several communicators must give each its
+// own key space (torch's per-group PrefixStore does).
+// Thread-safety: called from the creating thread only, during create().
+class Store {
+ public:
+  virtual ~Store() = default;
+  virtual Status set(const std::string& key, const std::string& value) = 0;
+  // Waits up to `timeout` for `key` to be set and returns its value;
+  // Errc::timeout when it is not.
+  virtual Result<std::string> get(const std::string& key, std::chrono::milliseconds timeout) = 0;
+};
+
 struct CommunicatorCounters {
   uint64_t calls = 0;
   uint64_t bytes_sent = 0;      // payload bytes this rank wrote to peers
@@ -130,6 +148,11 @@ class Communicator {
   // the rendezvous and waits until all ranks are connected. Blocks up to
   // options.timeout.
   static Result<std::unique_ptr<Communicator>> create(const CommunicatorOptions&);
+  // The same, with the rendezvous through `store` (master_address and
+  // master_port are then unused, except that local_address "" picks the
+  // address that routes to master_address). The store is used only during
+  // the call.
+  static Result<std::unique_ptr<Communicator>> create(const CommunicatorOptions&, Store& store);
   virtual ~Communicator() = default;
 
   virtual int rank() const = 0;
@@ -148,6 +171,35 @@ class Communicator {
   virtual Status broadcast(void* buffer, size_t count, DataType, int root) = 0;
   // Returns once every rank has entered the barrier.
   virtual Status barrier() = 0;
+  // recv on `root` = op over ranks of send (count elements each); recv is
+  // not touched on other ranks (may be null there). send == recv is in-place.
+  virtual Status reduce(const void* send, void* recv, size_t count, DataType, ReduceOp, int root) = 0;
+  // All-to-all with per-peer sizes (MPI_Alltoallv): this rank sends
+  // send_counts[r] elements at send + send_offsets[r] to rank r and receives
+  // recv_counts[r] elements from rank r at recv + recv_offsets[r] (offsets
+  // in elements; each array has size() entries). Every rank's send_counts[r]
+  // must equal rank r's recv_counts[rank] (else protocol_error). send and
+  // recv must not overlap.
+  virtual Status all_to_all(const void* send, const size_t* send_counts, const size_t* send_offsets, void* recv, const size_t* recv_counts,
+                            const size_t* recv_offsets, DataType) = 0;
+
+  // ---- point to point (torch.distributed's isend/irecv) ----
+  // Starts sending `bytes` bytes of `buffer` to rank `peer`, or receiving
+  // them from it; returns a request id for test() and wait(). Messages
+  // between a pair of ranks match in the order they were started, and each
+  // must agree in size and tag with its counterpart (else protocol_error).
+  // Requests progress only inside test(), wait() and the collective calls;
+  // the buffer belongs to the communicator until the request is done. A
+  // collective call first completes every outstanding request (a pair's
+  // point-to-point and collective calls must come in the same order on
+  // both ranks, as with NCCL). A peer that sends nothing fails the request
+  // with Errc::timeout after `timeout` without progress.
+  virtual Result<uint64_t> start_send(int peer, const void* buffer, size_t bytes, uint32_t tag) = 0;
+  virtual Result<uint64_t> start_recv(int peer, void* buffer, size_t bytes, uint32_t tag) = 0;
+  // Progresses every outstanding request without waiting; true once
+  // `request` is done (ids of finished requests stay done).
+  virtual Result<bool> test(uint64_t request) = 0;
+  virtual Status wait(uint64_t request) = 0;
 
   virtual CommunicatorCounters counters() const = 0;
 };

@@ -22,6 +22,7 @@
 // unacknowledged credit is retransmitted when both sides poll again, and the
 // QPs' retry budget covers the longest gap the timeout allows.
 #include <sched.h>
+#include <sys/random.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -50,6 +51,8 @@ using control::tcp;
 
 size_t size_of(DataType t) {
   switch (t) {
+    case DataType::uint8:
+    case DataType::int8: return 1;
     case DataType::float16:
     case DataType::bfloat16: return 2;
     case DataType::float32:
@@ -68,6 +71,8 @@ const char* to_string(DataType t) {
     case DataType::float64: return "double";
     case DataType::int32: return "int32";
     case DataType::int64: return "int64";
+    case DataType::uint8: return "uint8";
+    case DataType::int8: return "int8";
   }
   return "?";
 }
@@ -79,6 +84,9 @@ const char* to_string(ReduceOp op) {
     case ReduceOp::min: return "min";
     case ReduceOp::max: return "max";
     case ReduceOp::avg: return "avg";
+    case ReduceOp::band: return "band";
+    case ReduceOp::bor: return "bor";
+    case ReduceOp::bxor: return "bxor";
   }
   return "?";
 }
@@ -90,16 +98,17 @@ Result<DataType> parse_data_type(const std::string& name) {
       {"bfloat16", DataType::bfloat16}, {"bf16", DataType::bfloat16},
       {"double", DataType::float64},  {"float64", DataType::float64}, {"f64", DataType::float64},
       {"int32", DataType::int32},     {"int", DataType::int32},       {"int64", DataType::int64},
-      {"long", DataType::int64}};
+      {"long", DataType::int64},     {"uint8", DataType::uint8},     {"byte", DataType::uint8},
+      {"int8", DataType::int8},       {"char", DataType::int8}};
   for (const auto& [n, t] : names)
     if (name == n) return t;
-  return Status(Errc::invalid_argument, "unknown data type '" + name + "' (float, half, bfloat16, double, int32, int64)");
+  return Status(Errc::invalid_argument, "unknown data type '" + name + "' (float, half, bfloat16, double, int32, int64, uint8, int8)");
 }
 
 Result<ReduceOp> parse_reduce_op(const std::string& name) {
-  for (ReduceOp op : {ReduceOp::sum, ReduceOp::prod, ReduceOp::min, ReduceOp::max, ReduceOp::avg})
+  for (ReduceOp op : {ReduceOp::sum, ReduceOp::prod, ReduceOp::min, ReduceOp::max, ReduceOp::avg, ReduceOp::band, ReduceOp::bor, ReduceOp::bxor})
     if (name == to_string(op)) return op;
-  return Status(Errc::invalid_argument, "unknown reduction '" + name + "' (sum, prod, min, max, avg)");
+  return Status(Errc::invalid_argument, "unknown reduction '" + name + "' (sum, prod, min, max, avg, band, bor, bxor)");
 }
 
 Result<CommunicatorOptions> CommunicatorOptions::from_environment() { return from_environment(CommunicatorOptions{}); }
@@ -158,7 +167,7 @@ constexpr uint32_t credit_imm = control_bit | 1;
 constexpr uint32_t abort_imm = control_bit | 2;
 constexpr uint32_t bye_imm = control_bit | 3;
 
-enum class CallKind : uint32_t { allreduce = 1, reduce_scatter, allgather, broadcast, barrier };
+enum class CallKind : uint32_t { allreduce = 1, reduce_scatter, allgather, broadcast, barrier, reduce, all_to_all, point_to_point };
 
 const char* to_string(CallKind k) {
   switch (k) {
@@ -167,6 +176,9 @@ const char* to_string(CallKind k) {
     case CallKind::allgather: return "allgather";
     case CallKind::broadcast: return "broadcast";
     case CallKind::barrier: return "barrier";
+    case CallKind::reduce: return "reduce";
+    case CallKind::all_to_all: return "all_to_all";
+    case CallKind::point_to_point: return "send/recv";
   }
   return "?";
 }
@@ -207,6 +219,20 @@ struct Peer {
   uint32_t receiving_parts = 0;  // parts of the message receive() handed out, dropped by release()
   bool said_bye = false;
   uint32_t call_sent = 0, call_received = 0;  // message indices within the current call
+  // Point-to-point transfers started and not yet done, in the order they
+  // were started (the order they match in); the counts name them.
+  struct Transfer {
+    uint64_t id = 0;
+    uint8_t* buffer = nullptr;
+    size_t bytes = 0;
+    uint16_t tag = 0;     // the messages' call tag: from the pair's sequence number, size and user tag
+    size_t chunks = 1;    // messages (a zero-byte transfer is one empty message)
+    size_t moved = 0;     // messages posted (send) or consumed (receive)
+    uint64_t last_sequence = 0;  // send: number of its last message, done once that completed
+    std::shared_ptr<MemoryRegion> mr;  // send over the network: the caller's buffer, registered (shared: Peer is copyable)
+  };
+  std::deque<Transfer> outgoing_transfers, incoming_transfers;
+  uint64_t transfers_sent = 0, transfers_received = 0;
   bool has_arrival() const { return !arrivals.empty() && !arrivals[0].empty(); }
 };
 
@@ -220,9 +246,10 @@ uint64_t channel_id(int rank, size_t qp) { return uint64_t(uint32_t(rank)) | uin
 // Which machine this rank runs on, for counting the ranks that share its
 // CPUs: the kernel's boot id (the same in every container and network
 // namespace of one kernel), else the host name; hashed with the job's
-// rendezvous address (FNV-1a, 64 bits), so that the table, which any
-// connection to rank 0 may see, does not hand out the machine's boot id.
-std::string host_identity(const CommunicatorOptions& o) {
+// rendezvous address or the store's random salt (FNV-1a, 64 bits), so that
+// the table, which any connection to rank 0 may see, does not hand out the
+// machine's boot id.
+std::string host_identity(const std::string& salt) {
   std::string id;
   std::ifstream in("/proc/sys/kernel/random/boot_id");
   if (!std::getline(in, id) || id.empty()) {
@@ -231,7 +258,7 @@ std::string host_identity(const CommunicatorOptions& o) {
     id = name;
   }
   uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : id + "|" + o.master_address + ":" + std::to_string(o.master_port)) {
+  for (unsigned char c : id + "|" + salt) {
     h ^= c;
     h *= 1099511628211ull;
   }
@@ -280,7 +307,7 @@ int cpus_in_union(const std::vector<std::string>& masks) {
 }
 
 // Rendezvous messages: newline-delimited JSON objects (control_channel.hpp).
-json hello_json(int rank, int world, const CommunicatorOptions& o, const std::vector<Peer>& peers) {
+json hello_json(int rank, int world, const CommunicatorOptions& o, const std::string& salt, const std::vector<Peer>& peers) {
   json endpoints = json::array(), landing = json::array();
   for (const Peer& p : peers) {
     if (p.rank < 0) {
@@ -294,7 +321,7 @@ json hello_json(int rank, int world, const CommunicatorOptions& o, const std::ve
     landing.push_back(json{{"addr", reinterpret_cast<uint64_t>(p.landing)}});
   }
   return json{{"type", "hello"},          {"version", 3},           {"rank", rank},
-              {"host", host_identity(o)}, {"cpus", affinity_mask()},
+              {"host", host_identity(salt)}, {"cpus", affinity_mask()},
               {"world_size", world},      {"mode", to_string(o.context.mode)},
               {"slots", o.slots},         {"chunk_bytes", o.chunk_bytes},
               {"allreduce_algorithm", int(o.allreduce_algorithm)}, {"small_message_bytes", o.small_message_bytes},
@@ -358,7 +385,7 @@ class Comm final : public Communicator {
  public:
   ~Comm() override { say_goodbye(); }
 
-  Status init(const CommunicatorOptions& o);
+  Status init(const CommunicatorOptions& o, Store* store);
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   Status allreduce(const void* send, void* recv, size_t count, DataType, ReduceOp) override;
@@ -366,6 +393,13 @@ class Comm final : public Communicator {
   Status allgather(const void* send, void* recv, size_t send_count, DataType) override;
   Status broadcast(void* buffer, size_t count, DataType, int root) override;
   Status barrier() override;
+  Status reduce(const void* send, void* recv, size_t count, DataType, ReduceOp, int root) override;
+  Status all_to_all(const void* send, const size_t* send_counts, const size_t* send_offsets, void* recv, const size_t* recv_counts,
+                    const size_t* recv_offsets, DataType) override;
+  Result<uint64_t> start_send(int peer, const void* buffer, size_t bytes, uint32_t tag) override;
+  Result<uint64_t> start_recv(int peer, void* buffer, size_t bytes, uint32_t tag) override;
+  Result<bool> test(uint64_t request) override;
+  Status wait(uint64_t request) override;
   CommunicatorCounters counters() const override {
     CommunicatorCounters c = counters_;
     if (context_) {
@@ -378,7 +412,8 @@ class Comm final : public Communicator {
 
  private:
   // ---- bootstrap ----
-  Status bootstrap();
+  Status bootstrap(Store* store);
+  Status store_rendezvous(Store& store, const json& own, std::vector<json>& table, Clock::time_point deadline);
   Status serve_rendezvous(const json& own, std::vector<json>& table);
   Status join_rendezvous(const json& own, std::vector<json>& table, Clock::time_point deadline);
   Status connect_peers(const std::vector<json>& table);
@@ -422,9 +457,21 @@ class Comm final : public Communicator {
   static constexpr size_t stripe_min_bytes = 32 * 1024;  // smaller messages go whole over QP 0
   uint64_t number_send(Peer& p, uint32_t parts);          // registers a send of `parts` parts on QPs 0..parts-1
   Status complete_part(Peer& p, size_t qp);
+  // A message of the current call (the next index to or from the peer).
   Status send(Peer& p, const uint8_t* source, uint32_t lkey, size_t bytes, uint64_t* sequence);
   Result<const uint8_t*> receive(Peer& p, size_t bytes);  // waits for the next message, checks it
   Status release(Peer& p);                                // frees its slot: credit to the sender
+  // The same with the message's name (call tag, index) given: what
+  // point-to-point transfers use, outside any call.
+  Status transmit(Peer& p, const uint8_t* source, uint32_t lkey, size_t bytes, uint64_t* sequence, uint16_t tag, uint32_t index);
+  Result<const uint8_t*> arrive(Peer& p, size_t bytes, uint16_t tag, uint32_t index, bool point_to_point);
+  Status release_slot(Peer& p);
+  // Point to point: moves what can move without waiting; *moved says whether
+  // anything did. drain_transfers() waits for every outstanding one.
+  Status progress_transfers(bool* moved);
+  Status poll_once(bool* moved);
+  Status drain_transfers();
+  Status pairwise_exchange(Peer& to, const uint8_t* source, uint32_t lkey, size_t out_bytes, Peer& from, uint8_t* destination, size_t in_bytes);
   Status wait_sent(Peer& p, uint64_t sequence, const char* what);
   Status post_control(Peer& p, uint32_t imm);
   Status fail(Status s);
@@ -458,6 +505,9 @@ class Comm final : public Communicator {
   Result<uint8_t*> scratch(size_t bytes, uint32_t* lkey);
 
   CommunicatorOptions options_;
+  std::string identity_salt_;  // host_identity()'s salt: the rendezvous address, or the store's random salt
+  uint64_t next_request_ = 1;  // point-to-point request ids
+  size_t transfers_outstanding_ = 0;
   int rank_ = 0, size_ = 1;
   std::shared_ptr<Context> context_;
   std::shared_ptr<ProtectionDomain> pd_;
@@ -492,7 +542,7 @@ class Comm final : public Communicator {
   CommunicatorCounters counters_;
 };
 
-Status Comm::init(const CommunicatorOptions& o) {
+Status Comm::init(const CommunicatorOptions& o, Store* store) {
   options_ = o;
   rank_ = o.rank;
   size_ = o.world_size;
@@ -503,10 +553,11 @@ Status Comm::init(const CommunicatorOptions& o) {
   if (o.slots < 1 || o.slots > 256) return Status(Errc::invalid_argument, "communicator: slots must be in [1, 256]");
   if (o.qps_per_peer < 1 || o.qps_per_peer > 16) return Status(Errc::invalid_argument, "communicator: qps_per_peer must be in [1, 16]");
   if (o.timeout.count() <= 0) return Status(Errc::invalid_argument, "communicator: timeout must be positive");
-  return bootstrap();
+  identity_salt_ = o.master_address + ":" + std::to_string(o.master_port);
+  return bootstrap(store);
 }
 
-Status Comm::bootstrap() {
+Status Comm::bootstrap(Store* store) {
   const auto deadline = Clock::now() + options_.timeout;
   auto master = resolve(options_.master_address);
   if (!master) return master.status();
@@ -595,7 +646,22 @@ Status Comm::bootstrap() {
     return {};
   }
 
-  json own = hello_json(rank_, size_, options_, peers_);
+  if (store) {
+    // The store is shared by the job's ranks only; a salt from rank 0 keeps
+    // host identities different from one job to the next.
+    const std::string key = "stellar/coll/salt";
+    if (rank_ == 0) {
+      char salt[17];
+      uint64_t v = 0;
+      if (::getrandom(&v, sizeof v, 0) != ssize_t(sizeof v)) v = uint64_t(Clock::now().time_since_epoch().count()) ^ uint64_t(::getpid()) << 40;
+      std::snprintf(salt, sizeof salt, "%016llx", (unsigned long long)v);
+      if (Status s = store->set(key, salt); !s.ok()) return Status(s.code(), "rendezvous through the store: " + s.message());
+    }
+    auto salt = store->get(key, std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
+    if (!salt) return Status(salt.status().code(), "rendezvous through the store: no salt from rank 0: " + salt.status().message());
+    identity_salt_ = salt->substr(0, 64);
+  }
+  json own = hello_json(rank_, size_, options_, identity_salt_, peers_);
   own["landing_rkey"] = landing_mr_->rkey();
   if (own_segment_) {
     char token[17];
@@ -605,7 +671,7 @@ Status Comm::bootstrap() {
     own["shm"] = nullptr;
   }
   std::vector<json> table;
-  Status s = rank_ == 0 ? serve_rendezvous(own, table) : join_rendezvous(own, table, deadline);
+  Status s = store ? store_rendezvous(*store, own, table, deadline) : rank_ == 0 ? serve_rendezvous(own, table) : join_rendezvous(own, table, deadline);
   if (s.ok()) adapt_wait(own, table);
   // Every peer that will map this rank's segment has done so (before it
   // said ready): the name can go, so nothing is left in /dev/shm however
@@ -616,6 +682,61 @@ Status Comm::bootstrap() {
   log().info("coll: rank {}/{} connected to all peers ({} mode, {} slots of {} KiB per peer; {} through shared memory)", rank_, size_,
              to_string(options_.context.mode), options_.slots, options_.chunk_bytes / 1024, shm_peers_);
   return {};
+}
+
+// The rendezvous through a store the job already has (torch.distributed's):
+// the same messages as rank 0's server, under keys instead of lines. Each
+// rank sets its hello, reads every other one (each checked as rank 0's
+// server checks them), connects, sets its ready (or failed, with the
+// reason), and reads every ready: once it has them all, every rank's QPs
+// can receive, which is what rank 0's go says in the TCP rendezvous, and
+// each rank works out the shared-memory pairs itself (both sides mapped).
+Status Comm::store_rendezvous(Store& store, const json& own, std::vector<json>& table, Clock::time_point deadline) {
+  const std::string prefix = "stellar/coll/";
+  auto left = [&] { return std::max(std::chrono::milliseconds(1), std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now())); };
+  auto read = [&](const std::string& what, int r, size_t max_bytes) -> Result<json> {
+    auto value = store.get(prefix + what + "/" + std::to_string(r), left());
+    if (!value)
+      return Status(value.status().code(), "rendezvous through the store: no " + what + " from rank " + std::to_string(r) + " within " +
+                                               std::to_string(options_.timeout.count()) + " ms: " + value.status().message());
+    if (value->size() > max_bytes) return Status(Errc::protocol_error, "rendezvous through the store: rank " + std::to_string(r) + "'s " + what + " is too long");
+    json j = json::parse(*value, nullptr, false);
+    if (j.is_discarded() || !j.is_object())
+      return Status(Errc::protocol_error, "rendezvous through the store: rank " + std::to_string(r) + "'s " + what + " is not a JSON object");
+    return j;
+  };
+  if (Status s = store.set(prefix + "hello/" + std::to_string(rank_), own.dump()); !s.ok())
+    return Status(s.code(), "rendezvous through the store: " + s.message());
+  table.assign(size_t(size_), json());
+  table[size_t(rank_)] = own;
+  const size_t hello_cap = max_hello_bytes(size_, options_.qps_per_peer);
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    auto hello = read("hello", r, hello_cap);
+    if (!hello) return hello.status();
+    auto from = check_hello(*hello, size_, own);
+    if (!from) return from.status();
+    if (*from != r) return Status(Errc::protocol_error, "rendezvous through the store: the hello under rank " + std::to_string(r) + "'s key names rank " + std::to_string(*from));
+    table[size_t(r)] = std::move(*hello);
+  }
+  Status connected = connect_peers(table);
+  if (connected.ok()) open_peer_segments(table);
+  json ready = connected.ok() ? json{{"type", "ready"}, {"shm", shm_opened_}} : json{{"type", "failed"}, {"reason", connected.to_string()}};
+  if (Status s = store.set(prefix + "ready/" + std::to_string(rank_), ready.dump()); !s.ok())
+    return Status(s.code(), "rendezvous through the store: " + s.message());
+  if (!connected.ok()) return connected;
+  std::vector<int> both;
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    auto theirs = read("ready", r, 64 + 8 * size_t(size_));
+    if (!theirs) return theirs.status();
+    if ((*theirs)["type"] != "ready") return Status(Errc::connection_refused, "rank " + std::to_string(r) + " failed to connect: " + control::read_reason(*theirs));
+    auto list = read_shared_memory_pairs(*theirs, size_, r);
+    if (!list) return Status(Errc::protocol_error, "rendezvous through the store: rank " + std::to_string(r) + "'s ready: " + list.status().message());
+    const bool we_mapped = std::find(shm_opened_.begin(), shm_opened_.end(), r) != shm_opened_.end();
+    if (we_mapped && std::find(list->begin(), list->end(), rank_) != list->end()) both.push_back(r);
+  }
+  return use_shared_memory(both);
 }
 
 Status Comm::serve_rendezvous(const json& own, std::vector<json>& table) {
@@ -1057,6 +1178,12 @@ Status Comm::take_completions(const WorkCompletion* wcs, int n) {
 }
 
 Status Comm::send(Peer& p, const uint8_t* source, uint32_t lkey, size_t bytes, uint64_t* sequence) {
+  Status s = transmit(p, source, lkey, bytes, sequence, call_tag_, p.call_sent);
+  if (s.ok()) ++p.call_sent;
+  return s;
+}
+
+Status Comm::transmit(Peer& p, const uint8_t* source, uint32_t lkey, size_t bytes, uint64_t* sequence, uint16_t tag, uint32_t index) {
   while (!can_post(p))
     if (Status s = pump(&p, "credits"); !s.ok()) return s;
   if (p.shm) {
@@ -1064,12 +1191,11 @@ Status Comm::send(Peer& p, const uint8_t* source, uint32_t lkey, size_t bytes, u
     // be reused at once (nothing will read it again).
     if (bytes > options_.chunk_bytes) return fail(Status(Errc::invalid_argument, "communicator: a message larger than a landing slot"));
     std::memcpy(p.shm->slots_of(rank_, p.rank) + (p.data_posted % options_.slots) * options_.chunk_bytes, source, bytes);
-    p.shm->meta(rank_, p.data_posted).store(uint64_t(data_imm(call_tag_, 1, p.call_sent)) << 32 | bytes, std::memory_order_relaxed);
+    p.shm->meta(rank_, p.data_posted).store(uint64_t(data_imm(tag, 1, index)) << 32 | bytes, std::memory_order_relaxed);
     p.shm->sender_line(rank_).posted.store(p.data_posted + 1, std::memory_order_release);
     p.shm->ring_doorbell();
     *sequence = p.last_data_send = p.sends_completed = ++p.sends_posted;
     ++p.data_posted;
-    ++p.call_sent;
     counters_.bytes_sent += bytes;
     ++counters_.messages_sent;
     return {};
@@ -1086,20 +1212,25 @@ Status Comm::send(Peer& p, const uint8_t* source, uint32_t lkey, size_t bytes, u
     wr.sg_list = {&sge, bytes ? 1u : 0u};
     wr.remote_addr = p.remote_landing + (p.data_posted % options_.slots) * options_.chunk_bytes + offset;
     wr.rkey = p.remote_rkey;
-    wr.imm_data = data_imm(call_tag_, parts, p.call_sent);
+    wr.imm_data = data_imm(tag, parts, index);
     if (Status s = p.qps[j]->post_send(wr); !s.ok()) return fail(s);
   }
   ++p.data_posted;
-  ++p.call_sent;
   counters_.bytes_sent += bytes;
   ++counters_.messages_sent;
   return {};
 }
 
-Result<const uint8_t*> Comm::receive(Peer& p, size_t bytes) {
+Result<const uint8_t*> Comm::receive(Peer& p, size_t bytes) { return arrive(p, bytes, call_tag_, p.call_received, false); }
+
+Result<const uint8_t*> Comm::arrive(Peer& p, size_t bytes, uint16_t tag, uint32_t index, bool point_to_point) {
   size_t part = 0;
   const uint32_t parts = stripe(p, bytes, &part);
   auto mismatch = [&] {
+    if (point_to_point)
+      return fail(Status(Errc::protocol_error, "recv: rank " + std::to_string(p.rank) + "'s next message does not match this receive of " +
+                                                   std::to_string(bytes) + " bytes: the sizes or tags of the pair's sends and receives differ, "
+                                                   "or their point-to-point and collective calls come in different orders"));
     return fail(Status(Errc::protocol_error,
                        std::string(call_name_) + ": rank " + std::to_string(p.rank) + "'s call does not match this rank's (" + call_name_ + " of " +
                            to_string(type_) + ", reduction " + to_string(op_) +
@@ -1109,7 +1240,7 @@ Result<const uint8_t*> Comm::receive(Peer& p, size_t bytes) {
   // count); part j arrives on QP j. Part 0 is checked before waiting for more.
   auto matches = [&](uint32_t j) {
     const Arrival& a = p.arrivals[j].front();
-    return a.imm == data_imm(call_tag_, parts, p.call_received) && a.length == std::min(part, bytes - size_t(j) * part);
+    return a.imm == data_imm(tag, parts, index) && a.length == std::min(part, bytes - size_t(j) * part);
   };
   for (uint32_t j = 0; j < parts; ++j) {
     while (p.arrivals[j].empty()) {
@@ -1125,10 +1256,14 @@ Result<const uint8_t*> Comm::receive(Peer& p, size_t bytes) {
 }
 
 Status Comm::release(Peer& p) {
+  ++p.call_received;
+  return release_slot(p);
+}
+
+Status Comm::release_slot(Peer& p) {
   for (uint32_t j = 0; j < p.receiving_parts; ++j) p.arrivals[j].pop_front();
   p.receiving_parts = 0;
   ++p.data_consumed;
-  ++p.call_received;
   if (p.shm) {  // the credit is the consumed count in our segment
     own_segment_->receiver_line(p.rank).consumed.store(p.data_consumed, std::memory_order_release);
     p.shm->ring_doorbell();
@@ -1153,6 +1288,12 @@ Status Comm::wait_sent(Peer& p, uint64_t sequence, const char* what) {
 
 Status Comm::begin_call(CallKind kind, size_t count, DataType type, ReduceOp op, int root) {
   if (!broken_.ok()) return Status(broken_.code(), "communicator is broken by an earlier error: " + broken_.message());
+  const bool floating = type == DataType::float32 || type == DataType::float64 || type == DataType::float16 || type == DataType::bfloat16;
+  if (floating && (op == ReduceOp::band || op == ReduceOp::bor || op == ReduceOp::bxor))
+    return Status(Errc::invalid_argument, std::string(to_string(kind)) + ": the bitwise reduction " + to_string(op) + " needs an integer type, not " + to_string(type));
+  // Point-to-point transfers share the pairs' channels, in order: finish them first.
+  if (transfers_outstanding_)
+    if (Status s = drain_transfers(); !s.ok()) return s;
   call_name_ = to_string(kind);
   type_ = type;
   op_ = op;
@@ -1522,11 +1663,301 @@ Status Comm::barrier() {
   return end_call(recursive_doubling(*work, lkey, 1));
 }
 
+// Small vectors: recursive doubling (every rank ends with the result, in
+// log2 N exchanges; only the root keeps it). Larger: the ring's
+// reduce-scatter half, then each rank sends its finished segment to the
+// root, which is what NCCL's ring reduce moves too (each byte crosses
+// about 2 links per rank).
+Status Comm::reduce(const void* send, void* recv, size_t count, DataType type, ReduceOp op, int root) {
+  if (root < 0 || root >= size_) return Status(Errc::invalid_argument, "reduce: root " + std::to_string(root) + " is not a rank");
+  const size_t element = size_of(type), bytes = count * element;
+  const bool is_root = rank_ == root;
+  if (count && (!send || (is_root && !recv))) return Status(Errc::invalid_argument, "reduce: null buffer");
+  if (is_root && send != recv && overlaps(send, bytes, recv, bytes)) return Status(Errc::invalid_argument, "reduce: buffers overlap without being equal");
+  if (Status s = begin_call(CallKind::reduce, count, type, op, root); !s.ok()) return s;
+  if (count == 0) return {};
+  if (size_ == 1) {
+    if (send != recv) std::memmove(recv, send, bytes);
+    return {};
+  }
+  const bool small = bytes <= options_.small_message_bytes;
+  if (small) {
+    uint8_t* work = nullptr;
+    uint32_t lkey = 0;
+    CallRegistration mr;
+    if (is_root) {
+      auto r = register_range(recv, bytes);
+      if (!r) return fail(r.status());
+      mr = std::move(*r);
+      work = static_cast<uint8_t*>(recv);
+      lkey = mr.lkey();
+    } else {
+      auto w = scratch(bytes, &lkey);
+      if (!w) return fail(w.status());
+      work = *w;
+    }
+    if (work != send) std::memcpy(work, send, bytes);
+    return end_call(recursive_doubling(work, lkey, count));
+  }
+  auto send_mr = register_range(send, bytes);
+  if (!send_mr) return fail(send_mr.status());
+  uint32_t work_lkey = 0;
+  auto work = scratch(bytes, &work_lkey);
+  if (!work) return fail(work.status());
+  RingPlan plan;
+  plan.contribution = static_cast<const uint8_t*>(send);
+  plan.work = *work;
+  plan.work_lkey = work_lkey;
+  plan.first_step = 0;
+  plan.last_step = size_ - 2;
+  for (int s = 0; s < size_; ++s) {
+    plan.count.push_back(count / size_t(size_) + (size_t(s) < count % size_t(size_) ? 1 : 0));
+    plan.offset.push_back(size_t(s) * (count / size_t(size_)) + std::min(size_t(s), count % size_t(size_)));
+  }
+  // The root finishes its own segment straight into recv; in place, that
+  // segment's input is read at the same positions as it is written.
+  auto* out = static_cast<uint8_t*>(recv);
+  if (is_root) plan.own_result = out + plan.offset[size_t(rank_)] * element;
+  const int first = (rank_ - 1 + size_) % size_;
+  plan.first_source = plan.contribution + plan.offset[size_t(first)] * element;
+  plan.first_lkey = send_mr->lkey();
+  if (Status s = ring(plan); !s.ok()) return s;
+  if (!is_root)
+    return end_call(send_all(peer(root), *work + plan.offset[size_t(rank_)] * element, work_lkey, plan.count[size_t(rank_)] * element));
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_ || plan.count[size_t(r)] == 0) continue;
+    if (Status s = receive_all(peer(r), out + plan.offset[size_t(r)] * element, plan.count[size_t(r)] * element, false); !s.ok()) return s;
+  }
+  return end_call({});
+}
+
+// Sends out_bytes to `to` while receiving in_bytes from `from`, chunk by
+// chunk, interleaved: every rank does this at once with other partners, so
+// neither direction may wait for the other to finish.
+Status Comm::pairwise_exchange(Peer& to, const uint8_t* source, uint32_t lkey, size_t out_bytes, Peer& from, uint8_t* destination, size_t in_bytes) {
+  const size_t chunk = options_.chunk_bytes;
+  const size_t out_chunks = (out_bytes + chunk - 1) / chunk, in_chunks = (in_bytes + chunk - 1) / chunk;
+  size_t sent = 0, received = 0;
+  while (sent < out_chunks || received < in_chunks) {
+    bool moved = false;
+    while (sent < out_chunks && can_post(to)) {
+      uint64_t sequence = 0;
+      const size_t at = sent * chunk;
+      if (Status s = send(to, source + at, lkey, std::min(chunk, out_bytes - at), &sequence); !s.ok()) return s;
+      ++sent;
+      moved = true;
+    }
+    if (received < in_chunks && from.has_arrival()) {
+      const size_t at = received * chunk, length = std::min(chunk, in_bytes - at);
+      auto incoming = receive(from, length);
+      if (!incoming) return incoming.status();
+      std::memcpy(destination + at, *incoming, length);
+      if (Status s = release(from); !s.ok()) return s;
+      ++received;
+      continue;
+    }
+    if (!moved)
+      if (Status s = pump(received < in_chunks ? &from : &to, received < in_chunks ? "data" : "credits"); !s.ok()) return s;
+  }
+  return {};
+}
+
+// Pairwise exchange in N-1 steps: at step s rank r sends to r+s and
+// receives from r-s, so every rank has one partner each way per step.
+Status Comm::all_to_all(const void* send, const size_t* send_counts, const size_t* send_offsets, void* recv, const size_t* recv_counts,
+                        const size_t* recv_offsets, DataType type) {
+  if (!send_counts || !send_offsets || !recv_counts || !recv_offsets) return Status(Errc::invalid_argument, "all_to_all: null count or offset array");
+  const size_t element = size_of(type);
+  size_t send_end = 0, recv_end = 0;
+  for (int r = 0; r < size_; ++r) {
+    const size_t sc = send_counts[r], so = send_offsets[r], rc = recv_counts[r], ro = recv_offsets[r];
+    if (sc > (SIZE_MAX / element) - so || rc > (SIZE_MAX / element) - ro) return Status(Errc::invalid_argument, "all_to_all: counts overflow");
+    if (sc) send_end = std::max(send_end, (so + sc) * element);
+    if (rc) recv_end = std::max(recv_end, (ro + rc) * element);
+  }
+  if ((send_end && !send) || (recv_end && !recv)) return Status(Errc::invalid_argument, "all_to_all: null buffer");
+  if (send_end && recv_end && overlaps(send, send_end, recv, recv_end)) return Status(Errc::invalid_argument, "all_to_all: send and recv overlap");
+  if (Status s = begin_call(CallKind::all_to_all, 0, type, ReduceOp::sum, -1); !s.ok()) return s;
+  const auto* in = static_cast<const uint8_t*>(send);
+  auto* out = static_cast<uint8_t*>(recv);
+  if (recv_counts[rank_] != send_counts[rank_])
+    return fail(Status(Errc::invalid_argument, "all_to_all: this rank sends itself " + std::to_string(send_counts[rank_]) + " elements but receives " +
+                                                   std::to_string(recv_counts[rank_])));
+  if (send_counts[rank_]) std::memcpy(out + recv_offsets[rank_] * element, in + send_offsets[rank_] * element, send_counts[rank_] * element);
+  if (size_ == 1) return {};
+  CallRegistration send_mr;
+  if (send_end) {
+    auto mr = register_range(send, send_end);
+    if (!mr) return fail(mr.status());
+    send_mr = std::move(*mr);
+  }
+  for (int step = 1; step < size_; ++step) {
+    Peer& to = peer(rank_ + step);
+    Peer& from = peer(rank_ - step);
+    if (Status s = pairwise_exchange(to, in + send_offsets[to.rank] * element, send_mr.lkey(), send_counts[to.rank] * element, from,
+                                     out + recv_offsets[from.rank] * element, recv_counts[from.rank] * element);
+        !s.ok())
+      return s;
+  }
+  return end_call({});
+}
+
+// ---------------------------------------------------------------- point to point
+
+Result<uint64_t> Comm::start_send(int to, const void* buffer, size_t bytes, uint32_t tag) {
+  if (!broken_.ok()) return Status(broken_.code(), "communicator is broken by an earlier error: " + broken_.message());
+  if (to < 0 || to >= size_ || to == rank_) return Status(Errc::invalid_argument, "send: " + std::to_string(to) + " is not another rank of the communicator");
+  if (bytes && !buffer) return Status(Errc::invalid_argument, "send: null buffer");
+  Peer& p = peers_[size_t(to)];
+  Peer::Transfer t;
+  t.id = next_request_++;
+  t.buffer = static_cast<uint8_t*>(const_cast<void*>(buffer));
+  t.bytes = bytes;
+  t.tag = fnv16({++p.transfers_sent, uint64_t(CallKind::point_to_point), uint64_t(bytes), uint64_t(tag)});
+  t.chunks = std::max<size_t>(1, (bytes + options_.chunk_bytes - 1) / options_.chunk_bytes);
+  if (!p.shm && bytes) {
+    auto mr = pd_->register_memory(t.buffer, bytes, access_local_write);
+    if (!mr) return mr.status();
+    t.mr = std::move(*mr);
+  }
+  if (transfers_outstanding_ == 0) last_progress_ = Clock::now();
+  p.outgoing_transfers.push_back(std::move(t));
+  ++transfers_outstanding_;
+  return p.outgoing_transfers.back().id;
+}
+
+Result<uint64_t> Comm::start_recv(int from, void* buffer, size_t bytes, uint32_t tag) {
+  if (!broken_.ok()) return Status(broken_.code(), "communicator is broken by an earlier error: " + broken_.message());
+  if (from < 0 || from >= size_ || from == rank_) return Status(Errc::invalid_argument, "recv: " + std::to_string(from) + " is not another rank of the communicator");
+  if (bytes && !buffer) return Status(Errc::invalid_argument, "recv: null buffer");
+  Peer& p = peers_[size_t(from)];
+  Peer::Transfer t;
+  t.id = next_request_++;
+  t.buffer = static_cast<uint8_t*>(buffer);
+  t.bytes = bytes;
+  t.tag = fnv16({++p.transfers_received, uint64_t(CallKind::point_to_point), uint64_t(bytes), uint64_t(tag)});
+  t.chunks = std::max<size_t>(1, (bytes + options_.chunk_bytes - 1) / options_.chunk_bytes);
+  if (transfers_outstanding_ == 0) last_progress_ = Clock::now();
+  p.incoming_transfers.push_back(std::move(t));
+  ++transfers_outstanding_;
+  return p.incoming_transfers.back().id;
+}
+
+Status Comm::progress_transfers(bool* moved) {
+  call_name_ = "send/recv";
+  const size_t chunk = options_.chunk_bytes;
+  for (Peer& p : peers_) {
+    if (p.rank < 0) continue;
+    // Sends post in order as credits allow; each is done once its last
+    // message is acknowledged (the caller may then reuse its buffer).
+    for (Peer::Transfer& t : p.outgoing_transfers) {
+      while (t.moved < t.chunks && can_post(p)) {
+        const size_t at = t.moved * chunk;
+        if (Status s = transmit(p, t.buffer + at, t.mr ? t.mr->lkey() : 0, std::min(chunk, t.bytes - at), &t.last_sequence, t.tag, uint32_t(t.moved)); !s.ok())
+          return s;
+        ++t.moved;
+        *moved = true;
+      }
+      if (t.moved < t.chunks) break;
+    }
+    while (!p.outgoing_transfers.empty() && p.outgoing_transfers.front().moved == p.outgoing_transfers.front().chunks &&
+           p.sends_completed >= p.outgoing_transfers.front().last_sequence) {
+      p.outgoing_transfers.pop_front();
+      --transfers_outstanding_;
+      *moved = true;
+    }
+    // Receives take the pair's messages in order.
+    while (!p.incoming_transfers.empty() && p.has_arrival()) {
+      Peer::Transfer& t = p.incoming_transfers.front();
+      const size_t at = t.moved * chunk, length = std::min(chunk, t.bytes - at);
+      auto incoming = arrive(p, length, t.tag, uint32_t(t.moved), true);
+      if (!incoming) return incoming.status();
+      std::memcpy(t.buffer + at, *incoming, length);
+      if (Status s = release_slot(p); !s.ok()) return s;
+      *moved = true;
+      if (++t.moved == t.chunks) {
+        p.incoming_transfers.pop_front();
+        --transfers_outstanding_;
+      }
+    }
+  }
+  if (*moved) last_progress_ = Clock::now();
+  return {};
+}
+
+Status Comm::poll_once(bool* moved) {
+  if (shm_peers_ > 0) {
+    auto changed = poll_shared();
+    if (!changed) return changed.status();
+    *moved |= *changed;
+  }
+  if (network_peers_ > 0) {
+    WorkCompletion wcs[64];
+    const int n = cq_->poll(wcs);  // also drives the transport in inline mode
+    if (n > 0) {
+      *moved = true;
+      if (Status s = take_completions(wcs, n); !s.ok()) return s;
+    }
+  }
+  if (*moved) last_progress_ = Clock::now();
+  return {};
+}
+
+bool transfer_pending(const std::deque<Peer::Transfer>& q, uint64_t id) {
+  return std::any_of(q.begin(), q.end(), [&](const Peer::Transfer& t) { return t.id == id; });
+}
+
+Result<bool> Comm::test(uint64_t request) {
+  if (request == 0 || request >= next_request_) return Status(Errc::invalid_argument, "test: no such request");
+  if (!broken_.ok()) return Status(broken_.code(), "communicator is broken by an earlier error: " + broken_.message());
+  bool moved = false;
+  if (Status s = progress_transfers(&moved); !s.ok()) return s;
+  if (Status s = poll_once(&moved); !s.ok()) return s;
+  if (Status s = progress_transfers(&moved); !s.ok()) return s;
+  for (const Peer& p : peers_)
+    if (transfer_pending(p.outgoing_transfers, request) || transfer_pending(p.incoming_transfers, request)) {
+      if (!moved && Clock::now() - last_progress_ > options_.timeout) return no_progress(&p, "point-to-point data");
+      return false;
+    }
+  return true;
+}
+
+Status Comm::wait(uint64_t request) {
+  while (true) {
+    auto done = test(request);
+    if (!done) return done.status();
+    if (*done) return {};
+    const Peer* waiting_for = nullptr;
+    for (const Peer& p : peers_)
+      if (transfer_pending(p.outgoing_transfers, request) || transfer_pending(p.incoming_transfers, request)) waiting_for = &p;
+    context_->flush_acknowledgements();
+    if (Status s = pump(waiting_for, "point-to-point data"); !s.ok()) return s;
+  }
+}
+
+Status Comm::drain_transfers() {
+  while (transfers_outstanding_) {
+    bool moved = false;
+    if (Status s = progress_transfers(&moved); !s.ok()) return s;
+    if (!transfers_outstanding_) break;
+    if (moved) continue;
+    context_->flush_acknowledgements();
+    if (Status s = pump(nullptr, "point-to-point transfers before a collective call"); !s.ok()) return s;
+  }
+  return {};
+}
+
 }  // namespace
 
 Result<std::unique_ptr<Communicator>> Communicator::create(const CommunicatorOptions& options) {
   auto comm = std::make_unique<Comm>();
-  if (Status s = comm->init(options); !s.ok()) return s;
+  if (Status s = comm->init(options, nullptr); !s.ok()) return s;
+  return std::unique_ptr<Communicator>(std::move(comm));
+}
+
+Result<std::unique_ptr<Communicator>> Communicator::create(const CommunicatorOptions& options, Store& store) {
+  auto comm = std::make_unique<Comm>();
+  if (Status s = comm->init(options, &store); !s.ok()) return s;
   return std::unique_ptr<Communicator>(std::move(comm));
 }
 

@@ -41,6 +41,20 @@ struct Max {
   static T apply(T a, T b) { return a < b ? b : a; }
 };
 
+// Bitwise reductions exist for integer types only (checked at the call).
+template <typename T>
+struct BitAnd {
+  static T apply(T a, T b) { return T(a & b); }
+};
+template <typename T>
+struct BitOr {
+  static T apply(T a, T b) { return T(a | b); }
+};
+template <typename T>
+struct BitXor {
+  static T apply(T a, T b) { return T(a ^ b); }
+};
+
 template <typename T, typename Op>
 void loop(T* out, const T* a, const T* b, size_t n) {
   // No __restrict: out may alias a or b exactly (in-place). GCC still
@@ -59,6 +73,15 @@ void typed(ReduceOp op, void* out, const void* a, const void* b, size_t n) {
     case ReduceOp::prod: loop<T, Prod<T>>(o, x, y, n); break;
     case ReduceOp::min: loop<T, Min<T>>(o, x, y, n); break;
     case ReduceOp::max: loop<T, Max<T>>(o, x, y, n); break;
+    case ReduceOp::band:
+    case ReduceOp::bor:
+    case ReduceOp::bxor:
+      if constexpr (std::is_integral_v<T>) {
+        if (op == ReduceOp::band) loop<T, BitAnd<T>>(o, x, y, n);
+        else if (op == ReduceOp::bor) loop<T, BitOr<T>>(o, x, y, n);
+        else loop<T, BitXor<T>>(o, x, y, n);
+      }
+      break;
   }
 }
 
@@ -137,6 +160,8 @@ void reduce(DataType type, ReduceOp op, void* out, const void* a, const void* b,
     case DataType::float64: typed<double>(op, out, a, b, count); break;
     case DataType::int32: typed<int32_t>(op, out, a, b, count); break;
     case DataType::int64: typed<int64_t>(op, out, a, b, count); break;
+    case DataType::uint8: typed<uint8_t>(op, out, a, b, count); break;
+    case DataType::int8: typed<int8_t>(op, out, a, b, count); break;
     case DataType::float16: sixteen<half_to_float, float_to_half>(op, out, a, b, count); break;
     case DataType::bfloat16: sixteen<bfloat16_to_float, float_to_bfloat16>(op, out, a, b, count); break;
   }
@@ -163,6 +188,8 @@ void divide(DataType type, void* buffer, size_t count, int divisor) {
     case DataType::float64: divide_typed<double>(buffer, count, divisor); break;
     case DataType::int32: divide_typed<int32_t>(buffer, count, divisor); break;
     case DataType::int64: divide_typed<int64_t>(buffer, count, divisor); break;
+    case DataType::uint8: divide_typed<uint8_t>(buffer, count, divisor); break;
+    case DataType::int8: divide_typed<int8_t>(buffer, count, divisor); break;
     case DataType::float16: divide_sixteen<half_to_float, float_to_half>(buffer, count, divisor); break;
     case DataType::bfloat16: divide_sixteen<bfloat16_to_float, float_to_bfloat16>(buffer, count, divisor); break;
   }

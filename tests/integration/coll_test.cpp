@@ -22,6 +22,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
+#include <fstream>
 #include <functional>
 #include <thread>
 #include <vector>
@@ -126,6 +127,8 @@ void store(DataType t, void* buffer, size_t i, double v) {
     case DataType::float64: static_cast<double*>(buffer)[i] = v; break;
     case DataType::int32: static_cast<int32_t*>(buffer)[i] = int32_t(v); break;
     case DataType::int64: static_cast<int64_t*>(buffer)[i] = int64_t(v); break;
+    case DataType::uint8: static_cast<uint8_t*>(buffer)[i] = uint8_t(v); break;
+    case DataType::int8: static_cast<int8_t*>(buffer)[i] = int8_t(v); break;
     case DataType::float16: static_cast<uint16_t*>(buffer)[i] = detail::float_to_half(float(v)); break;
     case DataType::bfloat16: static_cast<uint16_t*>(buffer)[i] = detail::float_to_bfloat16(float(v)); break;
   }
@@ -137,13 +140,15 @@ double load(DataType t, const void* buffer, size_t i) {
     case DataType::float64: return static_cast<const double*>(buffer)[i];
     case DataType::int32: return static_cast<const int32_t*>(buffer)[i];
     case DataType::int64: return double(static_cast<const int64_t*>(buffer)[i]);
+    case DataType::uint8: return static_cast<const uint8_t*>(buffer)[i];
+    case DataType::int8: return static_cast<const int8_t*>(buffer)[i];
     case DataType::float16: return detail::half_to_float(static_cast<const uint16_t*>(buffer)[i]);
     case DataType::bfloat16: return detail::bfloat16_to_float(static_cast<const uint16_t*>(buffer)[i]);
   }
   return 0;
 }
 
-bool is_integer(DataType t) { return t == DataType::int32 || t == DataType::int64; }
+bool is_integer(DataType t) { return t == DataType::int32 || t == DataType::int64 || t == DataType::uint8 || t == DataType::int8; }
 
 double expected(ReduceOp op, DataType t, int world, size_t i, int index_shift = 0) {
   double acc = input_value(0, i + size_t(index_shift));
@@ -155,6 +160,9 @@ double expected(ReduceOp op, DataType t, int world, size_t i, int index_shift = 
       case ReduceOp::prod: acc *= v; break;
       case ReduceOp::min: acc = std::min(acc, v); break;
       case ReduceOp::max: acc = std::max(acc, v); break;
+      case ReduceOp::band: acc = double(int64_t(acc) & int64_t(v)); break;
+      case ReduceOp::bor: acc = double(int64_t(acc) | int64_t(v)); break;
+      case ReduceOp::bxor: acc = double(int64_t(acc) ^ int64_t(v)); break;
     }
   }
   if (op == ReduceOp::avg) acc = is_integer(t) ? std::trunc(acc / world) : acc / world;
@@ -166,8 +174,16 @@ bool close_enough(DataType t, double got, double want) {
   return std::fabs(got - want) <= tolerance * std::max(1.0, std::fabs(want));
 }
 
-constexpr DataType all_types[] = {DataType::float32, DataType::float16, DataType::bfloat16, DataType::float64, DataType::int32, DataType::int64};
-constexpr ReduceOp all_ops[] = {ReduceOp::sum, ReduceOp::prod, ReduceOp::min, ReduceOp::max, ReduceOp::avg};
+constexpr DataType all_types[] = {DataType::float32, DataType::float16, DataType::bfloat16, DataType::float64,
+                                  DataType::int32,   DataType::int64,   DataType::uint8,    DataType::int8};
+constexpr ReduceOp all_ops[] = {ReduceOp::sum, ReduceOp::prod, ReduceOp::min, ReduceOp::max, ReduceOp::avg, ReduceOp::band, ReduceOp::bor, ReduceOp::bxor};
+
+bool is_bitwise(ReduceOp op) { return op == ReduceOp::band || op == ReduceOp::bor || op == ReduceOp::bxor; }
+// Reductions whose exact result the inputs (1..5) keep within the type.
+bool representable(DataType t, ReduceOp op) {
+  if (is_bitwise(op)) return is_integer(t);
+  return !(op == ReduceOp::prod && (t == DataType::uint8 || t == DataType::int8));  // 5^4 wraps
+}
 
 #define CHECK_OK(expr, what)                                                                     \
   do {                                                                                           \
@@ -202,6 +218,7 @@ int exercise_all(Communicator& comm, const std::vector<size_t>& counts, bool ful
     for (size_t count : counts) {
       for (ReduceOp op : all_ops) {
         if (!full_matrix && op != ReduceOp::sum && op != ReduceOp::avg) continue;
+        if (!representable(t, op)) continue;
         std::vector<uint8_t> in(count * e + 1), out(count * e + 1, 0xee);
         for (size_t i = 0; i < count; ++i) store(t, in.data(), i, input_value(rank, i));
         // out of place, then in place
@@ -232,6 +249,46 @@ int exercise_all(Communicator& comm, const std::vector<size_t>& counts, bool ful
           for (size_t i = 0; i < count; ++i)
             if (load(t, all.data(), size_t(r) * count + i) != load(t, mine.data(), i) - double((rank + 1) * 3) + double((r + 1) * 3)) {
               if (!wrong) std::fprintf(stderr, "rank %d: allgather %s count %zu: block %d [%zu] wrong\n", rank, to_string(t), count, r, i);
+              ++wrong;
+            }
+      }
+      // reduce to every root: the result on the root only, in and out of place.
+      for (int root = 0; root < world; ++root) {
+        const ReduceOp op = full_matrix && is_integer(t) ? ReduceOp::bxor : full_matrix ? ReduceOp::min : ReduceOp::sum;
+        std::vector<uint8_t> in(count * e + 1), out(count * e + 1, 0xee);
+        for (size_t i = 0; i < count; ++i) store(t, in.data(), i, input_value(rank, i));
+        const std::vector<uint8_t> original = in;
+        CHECK_OK(comm.reduce(in.data(), rank == root ? out.data() : nullptr, count, t, op, root), "reduce");
+        if (rank == root) wrong += compare("reduce", t, op, out.data(), count, world, rank);
+        if (in != original) {
+          if (!wrong) std::fprintf(stderr, "rank %d: reduce %s root %d changed its input\n", rank, to_string(t), root);
+          ++wrong;
+        }
+        CHECK_OK(comm.reduce(in.data(), in.data(), count, t, ReduceOp::sum, root), "reduce in place");
+        if (rank == root) wrong += compare("reduce in place", t, ReduceOp::sum, in.data(), count, world, rank);
+      }
+      // all-to-all with uneven blocks: rank r sends rank q (count + r + 2q) % 5 + count / 3 elements of value r * 10 + q + i % 3.
+      {
+        auto block = [&](int from, int to) { return size_t((count + size_t(from) + 2 * size_t(to)) % 5 + count / 3); };
+        const auto n = static_cast<size_t>(world);
+        std::vector<size_t> send_counts(n), send_offsets(n), recv_counts(n), recv_offsets(n);
+        size_t send_total = 0, recv_total = 0;
+        for (int q = 0; q < world; ++q) {
+          send_counts[size_t(q)] = block(rank, q);
+          send_offsets[size_t(q)] = send_total + 1;  // a gap of one element before each block
+          send_total += block(rank, q) + 1;
+          recv_counts[size_t(q)] = block(q, rank);
+          recv_offsets[size_t(q)] = recv_total;
+          recv_total += block(q, rank) + 2;
+        }
+        std::vector<uint8_t> in(send_total * e + 1), out(recv_total * e + 1);
+        for (int q = 0; q < world; ++q)
+          for (size_t i = 0; i < send_counts[size_t(q)]; ++i) store(t, in.data(), send_offsets[size_t(q)] + i, double(rank * 10 + q + int(i % 3)));
+        CHECK_OK(comm.all_to_all(in.data(), send_counts.data(), send_offsets.data(), out.data(), recv_counts.data(), recv_offsets.data(), t), "all_to_all");
+        for (int q = 0; q < world; ++q)
+          for (size_t i = 0; i < recv_counts[size_t(q)]; ++i)
+            if (load(t, out.data(), recv_offsets[size_t(q)] + i) != double(q * 10 + rank + int(i % 3))) {
+              if (!wrong) std::fprintf(stderr, "rank %d: all_to_all %s count %zu: block from %d [%zu] wrong\n", rank, to_string(t), count, q, i);
               ++wrong;
             }
       }
@@ -480,6 +537,234 @@ TEST(Collectives, RanksThatDisagreeOnJobParametersFailAtBootstrap) {
 TEST(Collectives, ASingleRankWorldCopies) {
   const auto codes = run_ranks(1, [](Communicator& c, int) { return exercise_all(c, {0, 5, 100}, true); });
   expect_all_zero(codes);
+}
+
+// ---- point to point ----
+
+// Both ranks of each pair start a send and a receive of several landing
+// slots' worth (more than the channel buffers) before waiting for either:
+// progress must interleave them, as torch's isend/irecv need. Then many
+// small messages with tags, a zero-byte one, and a collective right after.
+int point_to_point(Communicator& comm) {
+  const int rank = comm.rank(), world = comm.size();
+  const int to = (rank + 1) % world, from = (rank - 1 + world) % world;
+  for (size_t bytes : {size_t(0), size_t(1), size_t(4095), size_t(3) << 20}) {
+    std::vector<uint8_t> out(bytes + 1), in(bytes + 1, 0xee);
+    for (size_t i = 0; i < bytes; ++i) out[i] = uint8_t(i * 7 + rank);
+    auto sent = comm.start_send(to, out.data(), bytes, 5);
+    auto received = comm.start_recv(from, in.data(), bytes, 5);
+    if (!sent || !received) return 2;
+    CHECK_OK(comm.wait(*received), "wait recv");
+    CHECK_OK(comm.wait(*sent), "wait send");
+    for (size_t i = 0; i < bytes; ++i)
+      if (in[i] != uint8_t(i * 7 + from)) {
+        std::fprintf(stderr, "rank %d: %zu-byte recv [%zu] wrong\n", rank, bytes, i);
+        return 3;
+      }
+    if (in[bytes] != 0xee) return 4;  // nothing written past the end
+  }
+  // 40 small messages in flight each way (more than the slots), checked by test().
+  std::vector<std::vector<int32_t>> outs(40), ins(40);
+  std::vector<uint64_t> ids;
+  for (int k = 0; k < 40; ++k) {
+    outs[size_t(k)].assign(size_t(k + 1), rank * 1000 + k);
+    ins[size_t(k)].assign(size_t(k + 1), -1);
+    auto r = comm.start_recv(from, ins[size_t(k)].data(), ins[size_t(k)].size() * 4, uint32_t(k));
+    auto s = comm.start_send(to, outs[size_t(k)].data(), outs[size_t(k)].size() * 4, uint32_t(k));
+    if (!r || !s) return 5;
+    ids.push_back(*r);
+    ids.push_back(*s);
+  }
+  for (uint64_t id : ids) {
+    while (true) {
+      auto done = comm.test(id);
+      if (!done) {
+        std::fprintf(stderr, "rank %d: test: %s\n", rank, done.status().to_string().c_str());
+        return 6;
+      }
+      if (*done) break;
+    }
+  }
+  for (int k = 0; k < 40; ++k)
+    for (int32_t v : ins[size_t(k)])
+      if (v != from * 1000 + k) return 7;
+  // A collective right after outstanding sends: they complete first.
+  int32_t value = rank;
+  std::vector<int32_t> late(1000, rank);
+  std::vector<int32_t> late_in(1000, -1);
+  auto s = comm.start_send(to, late.data(), 4000, 99);
+  auto r = comm.start_recv(from, late_in.data(), 4000, 99);
+  if (!s || !r) return 8;
+  CHECK_OK(comm.allreduce(&value, &value, 1, DataType::int32, ReduceOp::sum), "allreduce after sends");
+  if (value != world * (world - 1) / 2) return 9;
+  auto done = comm.test(*r);
+  if (!done || !*done || late_in[999] != from) return 10;
+  return 0;
+}
+
+TEST(PointToPoint, SendsAndReceivesInterleaveWithoutDeadlock) {
+  expect_all_zero(run_ranks(2, [](Communicator& c, int) { return point_to_point(c); }));
+  expect_all_zero(run_ranks(3, [](Communicator& c, int) { return point_to_point(c); }, [](CommunicatorOptions& o) { o.shared_memory = true; }));
+}
+
+TEST(PointToPoint, MismatchedSizesOrTagsAndSilentPeersAreErrors) {
+  auto short_timeout = [](CommunicatorOptions& o) { o.timeout = 3s; };
+  for (int variant = 0; variant < 3; ++variant) {
+    const auto codes = run_ranks(
+        2,
+        [variant](Communicator& comm, int rank) {
+          std::vector<uint8_t> buffer(10000);
+          Status s;
+          if (rank == 0 && variant < 2) {
+            auto id = comm.start_send(1, buffer.data(), 100, 1);
+            if (!id) return 1;
+            s = comm.wait(*id);
+            // The send itself completes (the transport acknowledged it);
+            // the receiver is the one that sees the mismatch. Wait for its verdict.
+            int32_t v = 0;
+            (void)comm.allreduce(&v, &v, 1, DataType::int32, ReduceOp::sum);
+            return s.ok() ? 0 : 1;
+          }
+          if (rank == 0) {  // variant 2: the sender never sends
+            std::this_thread::sleep_for(6s);
+            return 0;
+          }
+          auto id = comm.start_recv(0, buffer.data(), variant == 0 ? 200 : 100, variant == 1 ? 2 : 1);
+          if (!id) return 1;
+          s = comm.wait(*id);
+          std::fprintf(stderr, "rank 1 (variant %d): %s\n", variant, s.to_string().c_str());
+          if (variant < 2) return s.code() == Errc::protocol_error ? 0 : 2;
+          return s.code() == Errc::timeout ? 0 : 3;
+        },
+        short_timeout, 60s);
+    EXPECT_EQ(codes[1], 0) << "variant " << variant;
+  }
+  // Arguments are checked before anything moves.
+  const auto codes = run_ranks(2, [](Communicator& comm, int rank) {
+    uint8_t b = 0;
+    if (comm.start_send(rank, &b, 1, 0).ok() || comm.start_recv(7, &b, 1, 0).ok() || comm.start_send(1 - rank, nullptr, 1, 0).ok()) return 1;
+    if (comm.test(12345).ok()) return 2;
+    float f = 1;
+    if (comm.allreduce(&f, &f, 1, DataType::float32, ReduceOp::band).code() != Errc::invalid_argument) return 3;
+    return 0;
+  });
+  expect_all_zero(codes);
+}
+
+// ---- the rendezvous through a store (torch.distributed's) ----
+
+// A store in a directory: set writes a file and renames it into place, get
+// polls for it, as torch's FileStore works across processes.
+class DirectoryStore final : public Store {
+ public:
+  explicit DirectoryStore(std::string dir) : dir_(std::move(dir)) {}
+  Status set(const std::string& key, const std::string& value) override {
+    const std::string path = dir_ + "/" + escape(key);
+    {
+      std::ofstream out(path + ".tmp", std::ios::binary);
+      out << value;
+      if (!out) return Status(Errc::io_error, "cannot write " + path);
+    }
+    std::filesystem::rename(path + ".tmp", path);
+    return {};
+  }
+  Result<std::string> get(const std::string& key, std::chrono::milliseconds timeout) override {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (true) {
+      std::ifstream in(dir_ + "/" + escape(key), std::ios::binary);
+      if (in) return std::string(std::istreambuf_iterator<char>(in), {});
+      if (std::chrono::steady_clock::now() > deadline) return Status(Errc::timeout, "no key " + key);
+      std::this_thread::sleep_for(2ms);
+    }
+  }
+
+ private:
+  static std::string escape(std::string key) {
+    for (char& c : key)
+      if (c == '/') c = '_';
+    return key;
+  }
+  std::string dir_;
+};
+
+// Forks `world` ranks that meet through a DirectoryStore (no rendezvous port).
+// Only ranks below `started` (default: all) are forked, to leave some missing.
+std::vector<int> run_ranks_with_store(int world, bool shared, const std::function<int(Communicator&, int)>& body,
+                                      const std::function<void(int, DirectoryStore&)>& before = {}, int started = -1,
+                                      std::chrono::milliseconds timeout = 10s) {
+  if (started < 0) started = world;
+  char dir[] = "/tmp/stellar-store-XXXXXX";
+  if (!mkdtemp(dir)) return std::vector<int>(size_t(world), -1);
+  std::vector<pid_t> pids;
+  for (int r = 0; r < started; ++r) {
+    const pid_t pid = fork();
+    if (pid == 0) {
+      DirectoryStore store(dir);
+      if (before) before(r, store);
+      CommunicatorOptions o = base_options(r, world, 1);  // port 1: nobody serves or dials it
+      o.timeout = timeout;
+      o.shared_memory = shared;
+      auto comm = Communicator::create(o, store);
+      if (!comm) {
+        std::fprintf(stderr, "rank %d: create through the store: %s\n", r, comm.status().to_string().c_str());
+        _exit(100 + int(comm.status().code()));
+      }
+      const int rc = body(**comm, r);
+      comm->reset();
+      _exit(rc);
+    }
+    pids.push_back(pid);
+  }
+  std::vector<int> codes;
+  for (pid_t pid : pids) {
+    int status = 0;
+    waitpid(pid, &status, 0);
+    codes.push_back(WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status));
+  }
+  std::filesystem::remove_all(dir);
+  return codes;
+}
+
+TEST(StoreRendezvous, RanksMeetThroughTheStoreOnTheNetworkAndOnSharedMemory) {
+  for (bool shared : {false, true}) {
+    const auto codes = run_ranks_with_store(3, shared, [shared](Communicator& c, int) {
+      if (c.counters().shared_memory_peers != (shared ? 2 : 0)) return 9;
+      return exercise_all(c, {1, 1001, 70000}, false);
+    });
+    expect_all_zero(codes);
+  }
+}
+
+TEST(StoreRendezvous, BadEntriesAndMissingRanksFailWithAMessage) {
+  // Garbage under rank 1's key (a stray writer to the store), and rank 1
+  // never starts: rank 0 fails on the garbage at once, not at the timeout.
+  auto garbage = [](int r, DirectoryStore& store) {
+    if (r == 0) (void)store.set("stellar/coll/hello/1", "{\"type\":\"hello\",\"rank\":\"one\"}");
+  };
+  auto t0 = std::chrono::steady_clock::now();
+  auto codes = run_ranks_with_store(2, false, [](Communicator&, int) { return 0; }, garbage, 1, 20s);
+  ASSERT_EQ(codes.size(), 1u);
+  EXPECT_EQ(codes[0], 100 + int(Errc::protocol_error));
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 15s);
+  // A well-formed hello under the wrong key (rank 1's process replays rank
+  // 0's hello as its own, then leaves) is refused the same way.
+  auto impostor = [](int r, DirectoryStore& store) {
+    if (r != 1) return;
+    auto hello = store.get("stellar/coll/hello/0", 10s);
+    if (hello) (void)store.set("stellar/coll/hello/1", *hello);
+    _exit(77);
+  };
+  codes = run_ranks_with_store(2, false, [](Communicator&, int) { return 0; }, impostor, 2, 20s);
+  ASSERT_EQ(codes.size(), 2u);
+  EXPECT_EQ(codes[0], 100 + int(Errc::protocol_error));
+  EXPECT_EQ(codes[1], 77);
+  // Rank 2 of 3 never arrives: the two that did time out (bounded by the
+  // 2 s timeout), never hang.
+  codes = run_ranks_with_store(3, false, [](Communicator&, int) { return 0; }, {}, 2, 2s);
+  ASSERT_EQ(codes.size(), 2u);
+  for (int c : codes) EXPECT_EQ(c, 100 + int(Errc::timeout));
+  // A world of one needs nobody.
+  expect_all_zero(run_ranks_with_store(1, false, [](Communicator&, int) { return 0; }));
 }
 
 // ---- the shared-memory channel between ranks on one host ----
