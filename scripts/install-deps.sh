@@ -10,6 +10,9 @@ packages=(
   sockperf ucx-utils libgloo-dev openmpi-bin libopenmpi-dev python3
   iproute2 nftables ethtool iperf3 gnuplot-nox
   clang libclang-rt-14-dev
+  # The torch.distributed backend (plugins/torch): Debian's torch 1.13 for
+  # its python3, the C++ headers and libraries, pybind11.
+  python3-torch libtorch-dev pybind11-dev python3-dev
   # aarch64 (SmartNIC / DPU cores): cross compilers, the engine's libraries
   # for arm64 (multiarch), and qemu-user to run its unit tests here.
   crossbuild-essential-arm64 qemu-user zlib1g-dev:arm64 libgtest-dev:arm64

@@ -7,7 +7,9 @@ bash scripts/install-deps.sh
 jobs=$(nproc)
 for variant in release asan; do
   dir=build-test-$variant
-  flags=(-DCMAKE_BUILD_TYPE=RelWithDebInfo)
+  # The torch backend is required, not optional, in the release build: a
+  # missing libtorch must fail here rather than skip its tests.
+  flags=(-DCMAKE_BUILD_TYPE=RelWithDebInfo -DSTELLAR_TORCH=ON)
   [[ $variant == asan ]] && flags=(-DCMAKE_BUILD_TYPE=Debug -DSTELLAR_SANITIZE=ON -DSTELLAR_BUILD_BENCH=OFF)
   echo "=== $variant build ==="
   cmake -S . -B "$dir" -G Ninja "${flags[@]}" > /dev/null
@@ -99,7 +101,17 @@ done
 "$prefix/bin/stellar_allreduce" --help > /dev/null
 "$prefix/bin/stellar_stream" --help > /dev/null
 consumers "$prefix" shared
-echo "shared install (SONAME libstellar.so.0, programs, pkg-config and find_package consumers): ok"
+# The torch backend from the prefix's dist-packages: imported by Debian's
+# python3, its RUNPATH finding the prefix's libstellar_coll, one rank reducing.
+(cd "$check_dir" && PYTHONPATH="$prefix/lib/python3.11/dist-packages" /usr/bin/python3 -c '
+import socket, stellar_torch, torch, torch.distributed as dist
+assert stellar_torch.__file__.startswith("'"$prefix"'"), stellar_torch.__file__
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+dist.init_process_group("stellar", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+t = torch.arange(4.0); dist.all_reduce(t); assert t.tolist() == [0.0, 1.0, 2.0, 3.0], t
+dist.destroy_process_group()
+print("import stellar_torch from the prefix, one-rank all_reduce: ok")')
+echo "shared install (SONAME libstellar.so.0, programs, pkg-config and find_package consumers, stellar_torch): ok"
 # The static option: the libraries alone (no tests, examples, bench or tools).
 cmake -S . -B build-test-static -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSTELLAR_SHARED=OFF \
   -DSTELLAR_BUILD_TESTS=OFF -DSTELLAR_BUILD_EXAMPLES=OFF -DSTELLAR_BUILD_BENCH=OFF -DSTELLAR_BUILD_TOOLS=OFF > /dev/null
