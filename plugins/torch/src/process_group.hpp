@@ -11,9 +11,9 @@
 // on both sides, as with NCCL).
 //
 // Tensors: CPU tensors of any layout (a non-contiguous tensor is copied to a
-// contiguous one and the result copied back). A tensor on another device is
-// staged through host memory (copied to a CPU tensor and back) — the
-// communicator only moves host memory in this backend. Reductions take
+// contiguous one and the result copied back). A CUDA tensor is staged
+// through host memory (copied to a CPU tensor and back; never run: Debian's
+// torch has no CUDA); a tensor on any other device is refused. Reductions take
 // float32, float16, bfloat16, float64, int32, int64, uint8 and int8;
 // broadcast, allgather, gather, scatter, all_to_all and send/recv move bytes,
 // so they take every dtype.
@@ -26,7 +26,9 @@
 // timeouts in the options are not used.
 //
 // Thread-safety: the ProcessGroup's methods may be called from any thread;
-// operations run in the order their calls were made.
+// operations run in the order their calls were made. Destruction runs what
+// is still queued (each bounded by the timeout) and joins the worker, with
+// the GIL released when the caller holds it.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
