@@ -63,7 +63,8 @@ class Listener {
   static Result<std::unique_ptr<Listener>> listen(const std::string& address, uint16_t port, Method = Method::tcp);
   virtual ~Listener() = default;
   virtual uint16_t port() const = 0;
-  // Waits for the next connection request.
+  // Waits for the next connection request (timeout: Errc::timeout). A zero
+  // timeout polls: it never blocks, and repeated calls make progress.
   virtual Result<std::unique_ptr<ConnectionRequest>> get_request(std::chrono::milliseconds timeout) = 0;
 };
 

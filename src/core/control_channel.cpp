@@ -252,11 +252,16 @@ void LineServer::forget(Pending& p) {
 Result<Arrival> LineServer::next(Clock::time_point deadline) {
   io_.restart();
   while (ready_.empty()) {
-    if (Clock::now() >= deadline || io_.run_one_until(deadline) == 0) {
-      if (!ready_.empty()) break;
-      if (Clock::now() >= deadline) return Status(Errc::timeout, "no connection request within the timeout");
+    if (Clock::now() >= deadline) {
+      // An expired deadline (a zero timeout: a caller that must not block,
+      // such as the NCCL plugin's accept) still runs what is ready now, so
+      // that polling makes progress.
+      io_.poll();
       io_.restart();
+      if (!ready_.empty()) break;
+      return Status(Errc::timeout, "no connection request within the timeout");
     }
+    if (io_.run_one_until(deadline) == 0) io_.restart();
   }
   Arrival a = std::move(ready_.front());
   ready_.pop_front();

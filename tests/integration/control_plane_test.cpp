@@ -237,6 +237,29 @@ TEST(ControlPlane, ABrokenAttemptLeavesTheListenerWaitingForTheNext) {
   EXPECT_TRUE(served.get().ok());
 }
 
+// A zero timeout polls (the NCCL plugin's accept must not block): it never
+// waits, and calling it again and again takes a connector in.
+TEST(ControlPlane, AZeroTimeoutPollsAndStillMakesProgress) {
+  auto listener = cm::Listener::listen("127.0.0.1", 0).value();
+  const auto t0 = std::chrono::steady_clock::now();
+  auto nothing = listener->get_request(0ms);
+  ASSERT_FALSE(nothing);
+  EXPECT_EQ(nothing.status().code(), Errc::timeout);
+  Side server = make_side(), client = make_side();
+  auto connected = std::async(std::launch::async, [&] { return cm::connect("127.0.0.1", listener->port(), *client.qp).status(); });
+  std::unique_ptr<cm::ConnectionRequest> request;
+  long polls = 0;
+  while (!request && std::chrono::steady_clock::now() - t0 < 20s) {
+    auto r = listener->get_request(0ms);
+    ++polls;
+    if (r) request = std::move(*r);
+    else ASSERT_EQ(r.status().code(), Errc::timeout) << r.status().to_string();
+  }
+  ASSERT_TRUE(request) << "no request after " << polls << " polls";
+  ASSERT_TRUE(request->accept(*server.qp).ok());
+  EXPECT_TRUE(connected.get().ok());
+}
+
 // ---------------------------------------------------------------- client
 
 // A fake listener: answers the first connection with `reply`.
