@@ -43,6 +43,7 @@ echo "=== install check ==="
 # and the collectives: one through pkg-config, one through find_package.
 # Then the static option (library only) with the same two consumers.
 check_dir=$(mktemp -d)
+repo=$(pwd)
 trap 'rm -rf "$check_dir"' EXIT
 mkdir -p "$check_dir/consumer"
 cat > "$check_dir/consumer/main.cpp" <<'CPP'
@@ -111,7 +112,14 @@ dist.init_process_group("stellar", init_method=f"tcp://127.0.0.1:{port}", rank=0
 t = torch.arange(4.0); dist.all_reduce(t); assert t.tolist() == [0.0, 1.0, 2.0, 3.0], t
 dist.destroy_process_group()
 print("import stellar_torch from the prefix, one-rank all_reduce: ok")')
-echo "shared install (SONAME libstellar.so.0, programs, pkg-config and find_package consumers, stellar_torch): ok"
+# The NCCL net plugin from the prefix's lib, found as NCCL finds it
+# (NCCL_NET_PLUGIN=stellar -> libnccl-net-stellar.so on the loader's path),
+# exporting the ncclNetPlugin_vN tables and nothing else of its own.
+exports=$(nm -D --defined-only "$prefix/lib/libnccl-net-stellar.so" | awk '{print $3}' | grep -v '^_' | sort | tr '\n' ' ')
+test "$exports" = "ncclNetPlugin_v10 ncclNetPlugin_v11 ncclNetPlugin_v12 ncclNetPlugin_v8 ncclNetPlugin_v9 " || { echo "plugin exports: $exports"; exit 1; }
+(cd "$check_dir" && env -u LD_LIBRARY_PATH LD_LIBRARY_PATH="$prefix/lib" NCCL_NET_PLUGIN=stellar STELLAR_NCCL_ADDRESS=127.0.0.1 \
+  "$repo/build-test-release/plugins/nccl/stellar_nccl_harness" exchange | tail -1)
+echo "shared install (SONAME libstellar.so.0, programs, pkg-config and find_package consumers, stellar_torch, the NCCL plugin): ok"
 # The static option: the libraries alone (no tests, examples, bench or tools).
 cmake -S . -B build-test-static -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSTELLAR_SHARED=OFF \
   -DSTELLAR_BUILD_TESTS=OFF -DSTELLAR_BUILD_EXAMPLES=OFF -DSTELLAR_BUILD_BENCH=OFF -DSTELLAR_BUILD_TOOLS=OFF > /dev/null

@@ -16,6 +16,7 @@
 // Exit status 0 when every check passed; each failure is printed.
 #include <dlfcn.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -648,28 +649,32 @@ void bench(Net& net, Link& link, size_t max_size, double bytes_per_size) {
     while (!done) REQUIRE(net.test(*q, &done, nullptr) == ncclSuccess, "test");
     *q = nullptr;
   };
-  // latency: 8 B ping-pong, receives posted ahead as NCCL posts them; a
-  // send is tested for completion before its buffer is used again
+  // latency: 8 B ping-pong. Receives are posted one ahead, as NCCL posts
+  // its steps ahead, so that a clear-to-send is off the round trip's path;
+  // a send is tested for completion before its buffer is used again.
   {
-    const int iters = 20000;
+    const int iters = 20000, warmup = 1000;
     std::vector<double> rtt;
     rtt.reserve(iters);
-    void *s = nullptr, *r = nullptr;
-    if (g_rank == 1) post_recv(0, 8, &r);
-    for (int i = 0; i < iters + 1000; ++i) {
+    void* s = nullptr;
+    void* r[2] = {nullptr, nullptr};
+    post_recv(0, 8, &r[0]);
+    for (int i = 0; i < iters + warmup; ++i) {
       const auto t0 = Clock::now();
+      const int cur = i % 2, next = 1 - cur;
+      const bool more = i + 1 < iters + warmup;
       if (g_rank == 0) {
-        post_recv(0, 8, &r);
-        post_send(1, 8, &s);
-        finish(&r);
-        finish(&s);
-      } else {
-        finish(&r);
-        if (i + 1 < iters + 1000) post_recv(0, 8, &r);  // the next one, before the reply
         if (s) finish(&s);
         post_send(1, 8, &s);
+        if (more) post_recv(2 + next, 8, &r[next]);  // while the reply is on its way
+        finish(&r[cur]);
+      } else {
+        finish(&r[cur]);
+        if (s) finish(&s);
+        post_send(1, 8, &s);
+        if (more) post_recv(2 + next, 8, &r[next]);
       }
-      if (i >= 1000) rtt.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+      if (i >= warmup) rtt.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
     }
     if (s) finish(&s);
     std::sort(rtt.begin(), rtt.end());
@@ -678,11 +683,17 @@ void bench(Net& net, Link& link, size_t max_size, double bytes_per_size) {
              rtt[rtt.size() / 2] / 2, rtt[rtt.size() * 99 / 100] / 2, iters);
   }
   barrier();
-  if (g_rank == 0) printf("%12s %12s %10s\n", "bytes", "messages", "GB/s");
+  auto cpu_seconds = [] {  // this process, every thread: user + system
+    rusage u{};
+    getrusage(RUSAGE_SELF, &u);
+    return double(u.ru_utime.tv_sec + u.ru_stime.tv_sec) + double(u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e6;
+  };
+  if (g_rank == 0) printf("%12s %12s %10s %12s\n", "bytes", "messages", "GB/s", "cpu_s_per_GB");
   for (size_t size = 4096; size <= max_size; size *= 4) {
     // both sides know the count: about bytes_per_size, within [64, 200000] messages
     const long count = std::max<long>(64, std::min<long>(200000, long(bytes_per_size / double(size))));
     std::vector<void*> q(window, nullptr);
+    const double cpu0 = cpu_seconds();
     const auto t0 = Clock::now();
     long posted = 0, completed = 0;
     while (completed < count) {
@@ -702,7 +713,15 @@ void bench(Net& net, Link& link, size_t max_size, double bytes_per_size) {
       }
     }
     const double s = std::chrono::duration<double>(Clock::now() - t0).count();
-    if (g_rank == 0) printf("%12zu %12ld %10.3f\n", size, count, double(count) * double(size) / s / 1e9);
+    double cpu = cpu_seconds() - cpu0;
+    if (g_rank == 1) {
+      oob_send(&cpu, sizeof cpu);
+    } else {
+      double peer_cpu = 0;
+      oob_recv(&peer_cpu, sizeof peer_cpu);
+      const double gb = double(count) * double(size) / 1e9;
+      printf("%12zu %12ld %10.3f %12.4f\n", size, count, gb / s, (cpu + peer_cpu) / gb);
+    }
     barrier();
   }
   net.dereg_mr(link.send, mh_s);
