@@ -52,6 +52,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/config.hpp"  // libstellar's table of environment variables (exported)
 #include "nccl_net.h"
 #include "stellar/stellar.hpp"
 
@@ -190,6 +191,7 @@ struct Plugin {
   std::vector<std::unique_ptr<Device>> devices;  // physical first, then makeVDevice's
   int physical = 0;
   int ptr_support = NCCL_PTR_HOST;
+  std::chrono::milliseconds connect_timeout{20000};
 };
 Plugin& plugin() {
   static Plugin* p = new Plugin;  // never destroyed: NCCL may call in while the process exits
@@ -264,9 +266,21 @@ ncclResult_t init_devices() {
   std::lock_guard lock(p.mu);
   if (p.initialized) return p.init_result;
   p.initialized = true;
+  // The environment, through Stellar's one table of variables
+  // (src/core/config.cpp): a malformed value fails init, naming it.
+  auto speed = config::integer("STELLAR_NCCL_SPEED_MBPS", 1, 10'000'000);
+  auto timeout = config::integer("STELLAR_NCCL_CONNECT_TIMEOUT_MS", 1, 3'600'000);
+  auto gdr = config::integer("STELLAR_NCCL_GDR", 0, 1);
+  for (const Status& s : {speed.status(), timeout.status(), gdr.status()})
+    if (!s.ok()) {
+      WARN("%s", s.message().c_str());
+      return p.init_result = ncclInvalidUsage;
+    }
+  const int speed_cap = int(speed->value_or(soft_provider_speed_mbps));
+  p.connect_timeout = std::chrono::milliseconds(timeout->value_or(20000));
   std::vector<std::string> addresses;
-  if (const char* list = getenv("STELLAR_NCCL_ADDRESS"); list && *list) {
-    std::string s = list;
+  if (auto list = config::text("STELLAR_NCCL_ADDRESS")) {
+    std::string s = *list;
     for (size_t start = 0; start <= s.size();) {
       size_t comma = s.find(',', start);
       if (comma == std::string::npos) comma = s.size();
@@ -277,8 +291,6 @@ ncclResult_t init_devices() {
     std::string first = interface_of("").second;
     addresses.push_back(first.empty() ? "127.0.0.1" : first);
   }
-  int speed_cap = soft_provider_speed_mbps;
-  if (const char* s = getenv("STELLAR_NCCL_SPEED_MBPS"); s && atoi(s) > 0) speed_cap = atoi(s);
   for (const std::string& address : addresses) {
     in_addr parsed{};
     if (inet_pton(AF_INET, address.c_str(), &parsed) != 1) {
@@ -328,8 +340,7 @@ ncclResult_t init_devices() {
   }
   p.physical = int(p.devices.size());
   atexit(stop_standby);
-  const char* gdr = getenv("STELLAR_NCCL_GDR");
-  if (!(gdr && strcmp(gdr, "0") == 0) && gpu_present()) p.ptr_support |= NCCL_PTR_CUDA | NCCL_PTR_DMABUF;
+  if (gdr->value_or(1) == 1 && gpu_present()) p.ptr_support |= NCCL_PTR_CUDA | NCCL_PTR_DMABUF;
   return ncclSuccess;
 }
 
@@ -598,11 +609,7 @@ bool same_secret(uint64_t a, uint64_t b) {  // constant time
   return d == 0;
 }
 
-std::chrono::milliseconds connect_timeout() {
-  const char* s = getenv("STELLAR_NCCL_CONNECT_TIMEOUT_MS");
-  long v = s ? atol(s) : 0;
-  return std::chrono::milliseconds(v > 0 ? v : 20000);
-}
+std::chrono::milliseconds connect_timeout() { return plugin().connect_timeout; }
 
 // ---- listen / connect / accept ----
 struct ListenComm {
