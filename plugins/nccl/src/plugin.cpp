@@ -64,7 +64,7 @@ using namespace stellar;
 using Clock = std::chrono::steady_clock;
 
 // ---- logging through NCCL's logger ----
-ncclDebugLogger_t g_logger = nullptr;
+std::atomic<ncclDebugLogger_t> g_logger{nullptr};  // set by init, which v11+ calls once per communicator
 
 __attribute__((format(printf, 5, 6))) void log_line(ncclDebugLogLevel level, unsigned long flags, const char* file,
                                                     int line, const char* fmt, ...) {
@@ -73,8 +73,8 @@ __attribute__((format(printf, 5, 6))) void log_line(ncclDebugLogLevel level, uns
   va_start(args, fmt);
   vsnprintf(text, sizeof text, fmt, args);
   va_end(args);
-  if (g_logger)
-    g_logger(level, flags, file, line, "NET/Stellar : %s", text);
+  if (ncclDebugLogger_t logger = g_logger.load())
+    logger(level, flags, file, line, "NET/Stellar : %s", text);
   else if (level == NCCL_LOG_WARN)
     fprintf(stderr, "NET/Stellar WARN %s\n", text);
 }
@@ -278,6 +278,7 @@ ncclResult_t init_devices() {
     }
   const int speed_cap = int(speed->value_or(soft_provider_speed_mbps));
   p.connect_timeout = std::chrono::milliseconds(timeout->value_or(20000));
+  atexit(stop_standby);  // before any device: a failure below leaves earlier devices' threads to stop
   std::vector<std::string> addresses;
   if (auto list = config::text("STELLAR_NCCL_ADDRESS")) {
     std::string s = *list;
@@ -339,8 +340,13 @@ ncclResult_t init_devices() {
     p.devices.push_back(std::move(d));
   }
   p.physical = int(p.devices.size());
-  atexit(stop_standby);
-  if (gdr->value_or(1) == 1 && gpu_present()) p.ptr_support |= NCCL_PTR_CUDA | NCCL_PTR_DMABUF;
+  // GPU memory only where every device is the soft provider's: it copies a
+  // received GPU buffer to the device before the completion, so iflush has
+  // nothing to do. The verbs provider would need a real flush (a loopback
+  // READ, as NCCL's IB plugin does), which is not built.
+  bool all_soft = true;
+  for (auto& d : p.devices) all_soft = all_soft && d->context->options().provider == Provider::soft;
+  if (gdr->value_or(1) == 1 && all_soft && gpu_present()) p.ptr_support |= NCCL_PTR_CUDA | NCCL_PTR_DMABUF;
   return ncclSuccess;
 }
 
@@ -516,6 +522,8 @@ struct Comm {
     if (wc.byte_len < offsetof(Cts, entry) || c.magic != cts_magic || c.n < 1 || c.n > max_recvs ||
         wc.byte_len != cts_bytes(c.n))
       return fail(ncclRemoteError, "malformed clear-to-send message from the receiver (" + std::to_string(wc.byte_len) + " bytes)");
+    if (fifo.size() >= size_t(max_requests))  // a receiver has at most max_requests receives posted
+      return fail(ncclRemoteError, "the receiver sent more clear-to-send messages than it may have receives posted");
     ReceivedCts rc;
     rc.cts = c;
     rc.left = int(c.n);
@@ -626,8 +634,12 @@ struct PendingConnect {
   std::unique_ptr<Comm> comm;
   std::future<Result<cm::Connected>> connected;
 };
-std::mutex g_pending_mu;
-std::unordered_map<uint64_t, std::unique_ptr<PendingConnect>> g_pending;  // by Handle::stage
+// By Handle::stage. Never destroyed, like plugin(): a connect NCCL
+// abandoned keeps its entry, and destroying it at exit would wait for its
+// thread and touch libstellar after its statics are gone.
+std::mutex& g_pending_mu = *new std::mutex;
+std::unordered_map<uint64_t, std::unique_ptr<PendingConnect>>& g_pending =
+    *new std::unordered_map<uint64_t, std::unique_ptr<PendingConnect>>;
 
 ncclResult_t net_listen(int dev_index, void* opaque_handle, void** listen_comm, int traffic_class) {
   if (!opaque_handle || !listen_comm) return ncclInternalError;
@@ -808,10 +820,13 @@ ncclResult_t net_reg_mr(void* comm, void* data, size_t size, int type, void** mh
   if (size > 0) {
     // The provider tells host from GPU memory itself (a GPU buffer is
     // staged on the soft provider, registered through dma-buf on verbs).
-    auto mr = c->dev->pd->register_memory(data, size, access_local_write | access_remote_write);
+    // Only a receiver's buffers are written by the peer.
+    const uint32_t access = c->role == Role::recv ? access_local_write | access_remote_write : access_local_write;
+    auto mr = c->dev->pd->register_memory(data, size, access);
     if (!mr) {
       WARN("regMr of %zu bytes at %p: %s", size, data, mr.status().to_string().c_str());
-      return mr.status().code() == Errc::resource_exhausted ? ncclSystemError : ncclInvalidUsage;
+      const Errc e = mr.status().code();
+      return e == Errc::invalid_argument || e == Errc::permission_denied ? ncclInvalidUsage : ncclSystemError;
     }
     h->mr = std::move(*mr);
   }
@@ -863,7 +878,10 @@ ncclResult_t net_isend(void* send_comm, void* data, size_t size, int tag, void* 
       index = int(i);
       break;
     }
-  if (index < 0) return ncclSuccess;  // the oldest receive has no buffer for this tag (yet): retry
+  if (index < 0) {  // the oldest receive has no buffer for this tag (yet): retry
+    c->progress();     // (every "retry" drives the transport: the standby thread sleeps while NCCL calls)
+    return ncclSuccess;
+  }
   const CtsEntry& e = head.cts.entry[index];
   if (size > e.size) {
     WARN("isend: %zu bytes with tag %d, but the receiver's buffer holds %llu: the two sides' calls do not match", size,
@@ -871,7 +889,10 @@ ncclResult_t net_isend(void* send_comm, void* data, size_t size, int tag, void* 
     return ncclInvalidUsage;
   }
   Request* r = c->take_request();
-  if (!r) return ncclSuccess;  // every request slot busy: retry after a test
+  if (!r) {  // every request slot busy: retry after a test
+    c->progress();
+    return ncclSuccess;
+  }
   r->n = 1;
   r->sizes[0] = int(size);
   Sge sge{reinterpret_cast<uint64_t>(data), uint32_t(size), size ? mh->mr->lkey() : 0};
@@ -884,7 +905,10 @@ ncclResult_t net_isend(void* send_comm, void* data, size_t size, int tag, void* 
   wr.imm_data = immediate(head.cts.seq, index);
   if (Status s = c->qp->post_send(wr); !s.ok()) {
     r->in_use = false;
-    if (s.code() == Errc::queue_full) return ncclSuccess;
+    if (s.code() == Errc::queue_full) {
+      c->progress();
+      return ncclSuccess;
+    }
     c->fail(ncclSystemError, "post_send: " + s.to_string());
     return c->failed();
   }
@@ -931,7 +955,10 @@ ncclResult_t net_irecv(void* recv_comm, int n, void** data, const size_t* sizes,
   std::lock_guard lock(c->mu);
   if (!c->failure.empty()) return c->failed();  // (test() progresses and finds failures)
   Request* r = c->take_request();
-  if (!r) return ncclSuccess;  // max_requests outstanding: retry
+  if (!r) {  // max_requests outstanding: retry
+    c->progress();
+    return ncclSuccess;
+  }
   r->n = n;
   r->seq = c->next_seq++;
   for (int i = 0; i < n; ++i) r->capacity[i] = sizes[i];
@@ -1194,6 +1221,25 @@ ncclResult_t vdevice(int* d, V* props) {
   return make_vdevice(d, props->ndevs, props->devs);
 }
 
+// Every entry point NCCL calls: no C++ exception crosses into NCCL's C
+// (a thread that cannot start, an allocation that fails).
+template <auto F>
+struct Guarded;
+template <typename... A, ncclResult_t (*F)(A...)>
+struct Guarded<F> {
+  static ncclResult_t call(A... args) noexcept {
+    try {
+      return F(args...);
+    } catch (const std::exception& e) {
+      WARN("%s", e.what());
+      return ncclSystemError;
+    } catch (...) {
+      return ncclInternalError;
+    }
+  }
+};
+#define G(f) Guarded<f>::call
+
 }  // namespace
 
 extern "C" {
@@ -1207,23 +1253,25 @@ STELLAR_EXPORT extern const ncclNet_v12_t ncclNetPlugin_v12;
 // irecvConsumed and getDeviceMr are NULL: a host plugin (netDeviceType HOST)
 // has no device-side handles; setNetAttr is NULL too (NCCL allows it).
 const ncclNet_v8_t ncclNetPlugin_v8 = {
-    "Stellar", v8_init, net_devices, v8_properties, v8_listen, v8_connect, net_accept, net_reg_mr, net_reg_mr_dmabuf,
-    net_dereg_mr, v8_isend, v8_irecv, net_iflush, net_test, net_close, net_close, net_close_listen, nullptr, nullptr};
+    "Stellar", G(v8_init), G(net_devices), G(v8_properties), G(v8_listen), G(v8_connect), G(net_accept), G(net_reg_mr), G(net_reg_mr_dmabuf),
+    G(net_dereg_mr), G(v8_isend), G(v8_irecv), G(net_iflush), G(net_test), G(net_close), G(net_close), G(net_close_listen), nullptr, nullptr};
 const ncclNet_v9_t ncclNetPlugin_v9 = {
-    "Stellar", v8_init, net_devices, v9_properties<ncclNetProperties_v9_t>, v8_listen, v8_connect, net_accept,
-    net_reg_mr, net_reg_mr_dmabuf, net_dereg_mr, v9_isend, v9_irecv, net_iflush, net_test, net_close, net_close,
-    net_close_listen, nullptr, nullptr, vdevice<ncclNetVDeviceProps_v9_t>};
+    "Stellar", G(v8_init), G(net_devices), G((v9_properties<ncclNetProperties_v9_t>)), G(v8_listen), G(v8_connect), G(net_accept),
+    G(net_reg_mr), G(net_reg_mr_dmabuf), G(net_dereg_mr), G(v9_isend), G(v9_irecv), G(net_iflush), G(net_test), G(net_close), G(net_close),
+    G(net_close_listen), nullptr, nullptr, G((vdevice<ncclNetVDeviceProps_v9_t>))};
 const ncclNet_v10_t ncclNetPlugin_v10 = {
-    "Stellar", v10_init, net_devices, v9_properties<ncclNetProperties_v10_t>, v8_listen, v10_connect, net_accept,
-    net_reg_mr, net_reg_mr_dmabuf, net_dereg_mr, v10_isend, v10_irecv, net_iflush, net_test, net_close, net_close,
-    net_close_listen, nullptr, nullptr, vdevice<ncclNetVDeviceProps_v10_t>};
+    "Stellar", G(v10_init), G(net_devices), G((v9_properties<ncclNetProperties_v10_t>)), G(v8_listen), G(v10_connect), G(net_accept),
+    G(net_reg_mr), G(net_reg_mr_dmabuf), G(net_dereg_mr), G(v10_isend), G(v10_irecv), G(net_iflush), G(net_test), G(net_close), G(net_close),
+    G(net_close_listen), nullptr, nullptr, G((vdevice<ncclNetVDeviceProps_v10_t>))};
 const ncclNet_v11_t ncclNetPlugin_v11 = {
-    "Stellar", v11_init<ncclNetCommConfig_v11_t>, net_devices, v11_properties<ncclNetProperties_v11_t>, v11_listen,
-    v11_connect, net_accept, net_reg_mr, net_reg_mr_dmabuf, net_dereg_mr, v10_isend, v10_irecv, net_iflush, net_test,
-    net_close, net_close, net_close_listen, nullptr, nullptr, vdevice<ncclNetVDeviceProps_v11_t>, v11_finalize, nullptr};
+    "Stellar", G((v11_init<ncclNetCommConfig_v11_t>)), G(net_devices), G((v11_properties<ncclNetProperties_v11_t>)), G(v11_listen),
+    G(v11_connect), G(net_accept), G(net_reg_mr), G(net_reg_mr_dmabuf), G(net_dereg_mr), G(v10_isend), G(v10_irecv), G(net_iflush), G(net_test),
+    G(net_close), G(net_close), G(net_close_listen), nullptr, nullptr, G((vdevice<ncclNetVDeviceProps_v11_t>)), G(v11_finalize), nullptr};
 const ncclNet_v12_t ncclNetPlugin_v12 = {
-    "Stellar", v11_init<ncclNetCommConfig_v12_t>, net_devices, v12_properties, v11_listen, v11_connect, net_accept,
-    net_reg_mr, net_reg_mr_dmabuf, net_dereg_mr, v10_isend, v10_irecv, net_iflush, net_test, net_close, net_close,
-    net_close_listen, nullptr, nullptr, vdevice<ncclNetVDeviceProps_v12_t>, v11_finalize, nullptr};
+    "Stellar", G((v11_init<ncclNetCommConfig_v12_t>)), G(net_devices), G(v12_properties), G(v11_listen), G(v11_connect), G(net_accept),
+    G(net_reg_mr), G(net_reg_mr_dmabuf), G(net_dereg_mr), G(v10_isend), G(v10_irecv), G(net_iflush), G(net_test), G(net_close), G(net_close),
+    G(net_close_listen), nullptr, nullptr, G((vdevice<ncclNetVDeviceProps_v12_t>)), G(v11_finalize), nullptr};
+
+#undef G
 
 }  // extern "C"
