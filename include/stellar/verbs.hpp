@@ -144,6 +144,13 @@ struct ContextOptions {
   // now sends from toward the peers, and keep every connection
   // (docs/multipath.md, "Address change"). STELLAR_FOLLOW_ADDRESS=0 turns it off.
   bool follow_address = true;
+  // soft provider, stellar mode: leave the CRC-32C trailer out of packets
+  // between two loopback (127.0.0.0/8) addresses when the peer's QP agrees
+  // (QpEndpoint::loopback_unchecked). On loopback a datagram goes from
+  // memory to memory and the kernel checksums nothing (nor does it for TCP
+  // there); off the host the CRC is always sent and checked
+  // (docs/wire-format.md). STELLAR_LOOPBACK_CRC=1 keeps it on loopback too.
+  bool loopback_crc = false;
   std::string device;                          // verbs provider: device name, e.g. "mlx5_0" ("" = chosen by bind_address)
   // Tenants (docs/scheduler.md). The context opens as `tenant` (its PDs'
   // default) with `credential`; with a tenants file, the file must list the
@@ -290,6 +297,11 @@ struct QpEndpoint {
   // carried by the connection manager. 0 in roce mode and on the verbs
   // provider; a stellar-mode QP refuses a remote endpoint with token 0 at RTR.
   uint64_t token = 0;
+  // soft provider, stellar mode: this QP takes packets without the CRC-32C
+  // between loopback addresses (ContextOptions::loopback_crc off), so the
+  // peer may leave it out when both ends are on 127.0.0.0/8. Carried as
+  // JSON "loopback_unchecked"; absent (an older peer): false.
+  bool loopback_unchecked = false;
 };
 
 // Transport timing of a QP (set at RTR/RTS, like ibv_qp_attr.timeout/retry_cnt).

@@ -108,6 +108,7 @@ AttachRequest attach_request(const off::EngineConfig& c) {
   r.swift_target_delay_ns = c.cc_config.swift_target_delay_ns;
   r.paths = c.paths;
   r.path_policy = uint8_t(c.path_policy);
+  r.loopback_unchecked = c.loopback_unchecked ? 1 : 0;
   return r;
 }
 
@@ -136,6 +137,7 @@ bool config_from(const AttachRequest& r, uint32_t session_mtu, off::EngineConfig
   if (r.mode == uint8_t(off::Mode::stellar) && r.local_token == 0) return bad("stellar mode needs a connection token");
   if (r.paths < 1 || r.paths > off::max_paths) return bad("paths outside [1, 256]");
   if (r.path_policy > uint8_t(off::PathPolicy::bandit)) return bad("unknown path policy");
+  if (r.loopback_unchecked > 1) return bad("loopback_unchecked is not 0 or 1");
   c = off::EngineConfig{};
   c.mode = off::Mode(r.mode);
   c.cc = off::CcAlgorithm(r.cc);
@@ -157,6 +159,7 @@ bool config_from(const AttachRequest& r, uint32_t session_mtu, off::EngineConfig
   c.cc_config.swift_target_delay_ns = r.swift_target_delay_ns;
   c.paths = r.paths;
   c.path_policy = off::PathPolicy(r.path_policy);
+  c.loopback_unchecked = r.loopback_unchecked == 1;
   return true;
 }
 

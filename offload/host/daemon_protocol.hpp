@@ -120,7 +120,8 @@ struct AttachRequest {
   // The QP's traffic class (0-7) and its DSCP (0-63, docs/scheduler.md):
   // the class orders its packets among the context's QPs, the DSCP marks them.
   uint8_t traffic_class = 0, dscp = 0;
-  uint8_t pad3[5] = {};
+  uint8_t loopback_unchecked = 0;  // EngineConfig::loopback_unchecked (0 or 1)
+  uint8_t pad3[4] = {};
   // The QP's job (JobHints: up to 128 bytes, NUL-terminated), its weight
   // among the tenant's jobs and its step (up to 24 h): the scheduler's
   // label (host::FlowLabel) beside the class.

@@ -505,7 +505,11 @@ void EngineHost::send_validation(const Engine& e, const sockaddr_in& to, uint8_t
 void EngineHost::on_path_validation(Engine& e, const sockaddr_in& from, const uint8_t* data, uint32_t length,
                                     uint64_t now) {
   off::Header h;
-  if (off::decode(off::Mode::stellar, data, length, {}, h) != off::DecodeError::none) {
+  // As received: from `from` to our address (an unchecked packet is taken only between loopback addresses).
+  off::IcrcAddresses as_received = e.rx_addresses;
+  as_received.source_ip = from.sin_addr.s_addr;
+  as_received.source_port = ntohs(from.sin_port);
+  if (off::decode(off::Mode::stellar, data, length, as_received, h) != off::DecodeError::none) {
     ++malformed_;
     return;
   }
@@ -531,6 +535,10 @@ void EngineHost::on_path_validation(Engine& e, const sockaddr_in& from, const ui
   e.peer = from;
   e.rx_addresses.source_ip = from.sin_addr.s_addr;
   e.rx_addresses.source_port = ntohs(from.sin_port);
+  off::IcrcAddresses tx = e.engine.config().tx_addresses;
+  tx.destination_ip = from.sin_addr.s_addr;
+  tx.destination_port = ntohs(from.sin_port);
+  e.engine.set_tx_addresses(tx);
   std::vector<Engine::Held> held = std::move(v.held);
   e.validated_challenge = v.challenge;
   v = Engine::Validation{};
@@ -544,7 +552,11 @@ void EngineHost::on_path_validation(Engine& e, const sockaddr_in& from, const ui
 void EngineHost::on_unvalidated(Engine& e, const sockaddr_in& from, const uint8_t* data, uint32_t length,
                                 uint64_t now, uint64_t arrival, bool congestion_mark) {
   off::Header h;
-  if (off::decode(off::Mode::stellar, data, length, {}, h) != off::DecodeError::none) {
+  // As received: from `from` to our address (an unchecked packet is taken only between loopback addresses).
+  off::IcrcAddresses as_received = e.rx_addresses;
+  as_received.source_ip = from.sin_addr.s_addr;
+  as_received.source_port = ntohs(from.sin_port);
+  if (off::decode(off::Mode::stellar, data, length, as_received, h) != off::DecodeError::none) {
     ++malformed_;
     return;
   }
@@ -722,6 +734,10 @@ std::optional<std::string> EngineHost::rebind_locked(const std::string& address,
   for (auto& [key, e] : engines_) {
     e->rx_addresses.destination_ip = local.sin_addr.s_addr;
     e->rx_addresses.destination_port = ntohs(local.sin_port);
+    off::IcrcAddresses tx = e->engine.config().tx_addresses;
+    tx.source_ip = local.sin_addr.s_addr;
+    tx.source_port = ntohs(local.sin_port);
+    e->engine.set_tx_addresses(tx);
     // Tell every peer at once (an ACK from the new address starts its
     // validation) and probe for what the move lost; again every
     // announce interval until the peer is heard at the new address.

@@ -186,6 +186,7 @@ uint32_t QpEngine::outstanding_sends() const { return s_->requester.outstanding(
 uint32_t QpEngine::outstanding_receives() const { return s_->responder.outstanding(); }
 const EngineCounters& QpEngine::counters() const { return s_->ctx.counters; }
 const EngineConfig& QpEngine::config() const { return s_->ctx.config; }
+void QpEngine::set_tx_addresses(const IcrcAddresses& addresses) { s_->ctx.config.tx_addresses = addresses; }
 uint64_t QpEngine::rto_ns() const { return s_->recovery.rto(); }
 uint64_t QpEngine::smoothed_rtt_ns() const { return s_->recovery.srtt(); }
 const CongestionControl& QpEngine::congestion_control() const { return *s_->cc; }

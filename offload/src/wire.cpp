@@ -276,6 +276,7 @@ namespace {
 // ---- header sizes ----
 constexpr size_t roce_bth = 12, roce_reth = 16, roce_aeth = 4, roce_atomic_eth = 28, roce_atomic_ack = 8,
                  imm_bytes = 4, trailer = 4;
+constexpr uint8_t stellar_flag_unchecked = 8;  // flags (byte 3) bit 3: Header::unchecked
 constexpr size_t stellar_base = 48, stellar_reth = 16, stellar_segment = 12, stellar_challenge = 8;
 constexpr uint8_t stellar_magic = 0x53;  // 'S'
 // 2: the 64-bit connection token at offset 32 (base header 40 bytes).
@@ -377,6 +378,12 @@ bool opcode_is_last(uint8_t op) {
     default: return false;
   }
 }
+bool is_loopback(const IcrcAddresses& a) {
+  // Network byte order: the first octet is the lowest-addressed byte.
+  auto first_octet = [](uint32_t ip) { return reinterpret_cast<const uint8_t*>(&ip)[0]; };
+  return first_octet(a.source_ip) == 127 && first_octet(a.destination_ip) == 127;
+}
+
 bool opcode_is_path_validation(uint8_t op) { return op == opcode::path_challenge || op == opcode::path_response; }
 
 bool opcode_is_request(uint8_t op) {
@@ -467,7 +474,7 @@ size_t write_headers(Mode mode, const Header& h, uint8_t* out, uint32_t pad) {
   p[0] = stellar_magic;
   p[1] = stellar_version;
   p[2] = h.opcode;
-  p[3] = uint8_t((h.ack_request ? 1 : 0) | (h.solicited ? 2 : 0) | (h.has_ack ? 4 : 0));
+  p[3] = uint8_t((h.ack_request ? 1 : 0) | (h.solicited ? 2 : 0) | (h.has_ack ? 4 : 0) | (h.unchecked ? 8 : 0));
   put16(p + 4, h.pkey);
   put16(p + 6, uint16_t(header));
   put32(p + 8, h.dest_qpn);
@@ -520,6 +527,10 @@ uint32_t write_trailer(Mode mode, const uint8_t* header, size_t header_length, c
     const uint32_t icrc = roce_icrc_pieces(header, header_length, pieces, count, pad, total, addresses);
     std::memcpy(out + pad, &icrc, 4);  // little-endian, as rxe and NICs emit it
     return pad + trailer;
+  }
+  if (header[3] & stellar_flag_unchecked) {  // between loopback addresses (Header::unchecked)
+    put32(out, 0);
+    return trailer;
   }
   uint32_t reg = crc32c_extend(~0u, header, header_length);
   for (size_t i = 0; i < count; ++i) reg = crc32c_extend(reg, pieces[i].data, pieces[i].length);
@@ -650,8 +661,12 @@ DecodeError decode(Mode mode, const uint8_t* data, size_t length, const IcrcAddr
   const size_t header = stellar_header_bytes(h);
   if (get16(data + 6) != header) return DecodeError::bad_length;
   if (length < header + trailer) return DecodeError::truncated;
-  if (get32(data + length - trailer) != crc32c(data, length - trailer)) return DecodeError::bad_checksum;
   const uint8_t flags = data[3];
+  h.unchecked = flags & stellar_flag_unchecked;
+  // An unchecked packet from anywhere but loopback to loopback is refused
+  // as if its CRC were wrong: off the host only the CRC protects the bytes.
+  if (h.unchecked ? !is_loopback(addresses) : get32(data + length - trailer) != crc32c(data, length - trailer))
+    return DecodeError::bad_checksum;
   h.ack_request = flags & 1;
   h.solicited = flags & 2;
   h.has_ack = flags & 4;
@@ -697,7 +712,6 @@ DecodeError decode(Mode mode, const uint8_t* data, size_t length, const IcrcAddr
   if (carries_payload(h.opcode) &&
       (h.message_offset > h.message_length || h.payload_length > h.message_length - h.message_offset))
     return DecodeError::bad_length;
-  (void)addresses;
   return DecodeError::none;
 }
 

@@ -122,6 +122,7 @@ json endpoint_json(const QpEndpoint& e) {
     std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(e.token));
     j["token"] = hex;
   }
+  if (e.loopback_unchecked) j["loopback_unchecked"] = true;
   if (!e.gid.empty()) {
     j["gid"] = e.gid;
     j["lid"] = e.lid;
@@ -169,6 +170,11 @@ Result<QpEndpoint> endpoint_from(const json& j) {
     auto bytes = from_hex(*token, 8);
     if (!bytes || bytes->size() != 8) return bad_field("token", "is not 16 hex digits");
     for (uint8_t b : *bytes) e.token = e.token << 8 | b;
+  }
+  if (j.contains("loopback_unchecked")) {
+    const json& u = j["loopback_unchecked"];
+    if (!u.is_boolean()) return bad_field("loopback_unchecked", "is not true or false");
+    e.loopback_unchecked = u.get<bool>();
   }
   return e;
 }

@@ -53,6 +53,9 @@ Result<std::shared_ptr<Context>> Context::open(const ContextOptions& options) {
     if (!parsed) return Status(Errc::invalid_argument, "STELLAR_PATH_POLICY: " + parsed.status().message());
     effective.path_policy = *parsed;
   }
+  auto loopback_crc = config::integer("STELLAR_LOOPBACK_CRC", 0, 1);
+  if (!loopback_crc) return loopback_crc.status();
+  if (*loopback_crc) effective.loopback_crc = **loopback_crc == 1;
   auto follow = config::integer("STELLAR_FOLLOW_ADDRESS", 0, 1);
   if (!follow) return follow.status();
   if (*follow) effective.follow_address = **follow == 1;

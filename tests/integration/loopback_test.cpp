@@ -303,11 +303,13 @@ struct Connection {
   Status accept_status, connect_status;
 
   Connection(Mode mode, const std::string& tenant_a = "", const std::string& tenant_b = "", QpTiming timing = {},
-             ProgressMode progress = ProgressMode::inline_poll, bool faults = false) {
+             ProgressMode progress = ProgressMode::inline_poll, bool faults = false, bool loopback_crc_a = false) {
     ContextOptions o = options_for(mode, faults);
     o.progress = progress;
     o.wait = progress == ProgressMode::thread ? WaitPolicy::adaptive : WaitPolicy::busy_poll;
-    a = Context::open(o).value();
+    ContextOptions oa = o;
+    oa.loopback_crc = loopback_crc_a;
+    a = Context::open(oa).value();
     b = Context::open(o).value();
     auto with_pkey = [](uint16_t pkey) {
       TenantOptions t;
@@ -578,6 +580,50 @@ TEST_P(Loopback, DestroyingAQpAcknowledgesWhatItReceived) {
   ASSERT_EQ(sent.size(), 1u);
   EXPECT_EQ(sent[0].wr_id, 6u);
   EXPECT_EQ(sent[0].status, WcStatus::success) << to_string(sent[0].status);
+}
+
+// The CRC-32C on loopback is left out only where both QPs agree: each
+// endpoint says whether it takes unchecked packets, and with one side
+// keeping the CRC (ContextOptions::loopback_crc) both directions carry it.
+// Either way WRITEs both ways land byte-exact.
+TEST_P(Loopback, LoopbackCrcIsLeftOutOnlyWhereBothAgree) {
+  for (bool crc_a : {false, true}) {
+    Connection c(GetParam(), "", "", {}, ProgressMode::inline_poll, false, crc_a);
+    ASSERT_TRUE(c.connect_status.ok()) << c.connect_status.to_string();
+    const bool stellar = GetParam() == Mode::stellar;
+    EXPECT_EQ(c.qp_a->local_endpoint().loopback_unchecked, stellar && !crc_a);
+    EXPECT_EQ(c.qp_b->local_endpoint().loopback_unchecked, stellar);
+    std::vector<uint8_t> at_a(200000, 0), at_b(200000, 0);
+    const std::vector<uint8_t> from_a = pattern(at_b.size(), 31), from_b = pattern(at_a.size(), 32);
+    auto tmr_a = c.pd_a->register_memory(at_a.data(), at_a.size(), access_local_write | access_remote_write).value();
+    auto tmr_b = c.pd_b->register_memory(at_b.data(), at_b.size(), access_local_write | access_remote_write).value();
+    auto smr_a = c.pd_a->register_memory(const_cast<uint8_t*>(from_a.data()), from_a.size(), access_local_write).value();
+    auto smr_b = c.pd_b->register_memory(const_cast<uint8_t*>(from_b.data()), from_b.size(), access_local_write).value();
+    auto write = [](QueuePair& qp, const std::vector<uint8_t>& from, MemoryRegion& smr, MemoryRegion& tmr) {
+      Sge s{reinterpret_cast<uint64_t>(from.data()), uint32_t(from.size()), smr.lkey()};
+      SendWr wr;
+      wr.opcode = WrOpcode::rdma_write;
+      wr.sg_list = {&s, 1};
+      wr.remote_addr = tmr.addr();
+      wr.rkey = tmr.rkey();
+      return qp.post_send(wr);
+    };
+    ASSERT_TRUE(write(*c.qp_a, from_a, *smr_a, *tmr_b).ok());
+    ASSERT_TRUE(write(*c.qp_b, from_b, *smr_b, *tmr_a).ok());
+    std::vector<WorkCompletion> done;
+    WorkCompletion wc[4];
+    const auto deadline = std::chrono::steady_clock::now() + 10s;
+    while (done.size() < 2 && std::chrono::steady_clock::now() < deadline)
+      for (auto* cq : {c.cq_a.get(), c.cq_b.get()}) {
+        const int k = cq->poll(wc);
+        done.insert(done.end(), wc, wc + k);
+      }
+    ASSERT_EQ(done.size(), 2u);
+    for (const WorkCompletion& w : done) EXPECT_EQ(w.status, WcStatus::success);
+    EXPECT_EQ(at_b, from_a) << "crc on a's side: " << crc_a;
+    EXPECT_EQ(at_a, from_b) << "crc on a's side: " << crc_a;
+    EXPECT_EQ(c.a->counters().rx_dropped_malformed + c.b->counters().rx_dropped_malformed, 0u);
+  }
 }
 
 TEST_P(Loopback, EngineThreadWithAdaptiveWaitMovesData) {

@@ -88,9 +88,9 @@ void Pair::step() {
   pump(*a, a_to_b);
   if (b_alive) pump(*b, b_to_a);
   a_to_b.deliver_due(now, [&](const uint8_t* d, size_t n, bool mark) {
-    if (b_alive) b->receive(d, n, IcrcAddresses{}, now, 0, mark);
+    if (b_alive) b->receive(d, n, rx_b, now, 0, mark);
   });
-  b_to_a.deliver_due(now, [&](const uint8_t* d, size_t n, bool mark) { a->receive(d, n, IcrcAddresses{}, now, 0, mark); });
+  b_to_a.deliver_due(now, [&](const uint8_t* d, size_t n, bool mark) { a->receive(d, n, rx_a, now, 0, mark); });
   // Jump to the next event when nothing is in the channel.
   uint64_t next = std::min(a->next_wakeup_ns(now), b_alive ? b->next_wakeup_ns(now) : UINT64_MAX);
   if (!a_to_b.empty() || !b_to_a.empty()) next = std::min(next, now + 500);

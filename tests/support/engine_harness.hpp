@@ -129,6 +129,9 @@ struct Pair {
   Channel a_to_b, b_to_a;
   uint64_t now = 1'000'000;  // virtual time, ns
   bool b_alive = true;
+  // The addresses each side's receive() is given (as received: source =
+  // the peer). Zero (not loopback) unless a test sets them.
+  IcrcAddresses rx_a{}, rx_b{};
   std::vector<std::vector<uint8_t>> buffers;
   std::vector<TxBuffer> tx;
   std::vector<uint8_t> flat;

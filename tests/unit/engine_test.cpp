@@ -1400,3 +1400,68 @@ TEST(EngineMultipath, AdaptivePoliciesAvoidAPathThatMarksCongestion) {
     EXPECT_EQ(r.counters.paths_retired, 0u) << to_string(policy);
   }
 }
+
+// Both ends agreed to leave the CRC out on loopback (EngineConfig::
+// loopback_unchecked) and their addresses are loopback: every packet, both
+// ways, goes unchecked and the data lands byte-exact. The same engines
+// given a peer address off the host (a migration, say) put the CRC back on
+// what they send; a receiver not on loopback refuses unchecked packets.
+TEST(EngineWire, UncheckedOnlyWhileBothAddressesAreLoopback) {
+  auto ip = [](uint8_t a, uint8_t d) {
+    uint32_t v;
+    const uint8_t bytes[4] = {a, 0, 0, d};
+    std::memcpy(&v, bytes, 4);
+    return v;
+  };
+  EngineConfig base;
+  base.loopback_unchecked = true;
+  base.tx_addresses = IcrcAddresses{ip(127, 1), ip(127, 2), 40000, 40001};
+  Pair p(Mode::stellar, ChannelFaults{}, 5, base);
+  p.rx_a = IcrcAddresses{ip(127, 2), ip(127, 1), 40001, 40000};
+  p.rx_b = IcrcAddresses{ip(127, 1), ip(127, 2), 40000, 40001};
+  uint64_t unchecked = 0, checked = 0;
+  auto count = [&](const uint8_t* d, size_t n) {
+    ((d[3] & 8) ? unchecked : checked)++;
+    (void)n;
+    return false;
+  };
+  p.a_to_b.filter = count;
+  p.b_to_a.filter = count;
+  std::vector<uint8_t> target(300000, 0);
+  const std::vector<uint8_t> source = pattern(target.size(), 3);
+  const uint32_t rkey = p.memory_b.add(target.data(), target.size(), access_remote_write);
+  SendWork w = make_work(WorkOpcode::rdma_write, 1, const_cast<uint8_t*>(source.data()), uint32_t(source.size()));
+  w.remote_addr = reinterpret_cast<uint64_t>(target.data());
+  w.rkey = rkey;
+  ASSERT_EQ(p.a->post_send(w, p.now), PostResult::ok);
+  ASSERT_TRUE(p.run([&] { return p.cq_a.sends.size() == 1; }));
+  EXPECT_EQ(p.cq_a.sends[0].status, CompletionStatus::success);
+  EXPECT_EQ(target, source);
+  EXPECT_GT(unchecked, 10u) << "data packets and acknowledgements";
+  EXPECT_EQ(checked, 0u);
+
+  // A's peer is now off the host: A checksums again; B, on loopback, still may not.
+  p.a->set_tx_addresses(IcrcAddresses{ip(127, 1), ip(10, 2), 40000, 40001});
+  unchecked = checked = 0;
+  std::fill(target.begin(), target.end(), 0);
+  w.wr_id = 2;
+  ASSERT_EQ(p.a->post_send(w, p.now), PostResult::ok);
+  ASSERT_TRUE(p.run([&] { return p.cq_a.sends.size() == 2; }));
+  EXPECT_EQ(p.cq_a.sends[1].status, CompletionStatus::success);
+  EXPECT_EQ(target, source);
+  EXPECT_GT(checked, 10u);
+
+  // A receiver whose addresses are not loopback drops B's unchecked packets.
+  const uint64_t errors = p.a->counters().decode_errors;
+  p.rx_a = IcrcAddresses{ip(10, 2), ip(127, 1), 40001, 40000};
+  std::vector<uint8_t> back(4096, 0);
+  const uint32_t back_key = p.memory_a.add(back.data(), back.size(), access_remote_write);
+  std::vector<uint8_t> from_b = pattern(back.size(), 4);
+  SendWork wb = make_work(WorkOpcode::rdma_write, 3, from_b.data(), uint32_t(from_b.size()));
+  wb.remote_addr = reinterpret_cast<uint64_t>(back.data());
+  wb.rkey = back_key;
+  ASSERT_EQ(p.b->post_send(wb, p.now), PostResult::ok);
+  p.run([&] { return p.a->counters().decode_errors > errors; }, 50'000'000);
+  EXPECT_GT(p.a->counters().decode_errors, errors) << "refused as a bad checksum";
+  EXPECT_NE(back, from_b) << "nothing of it was written";
+}

@@ -531,6 +531,19 @@ TEST(VerbsEndpoint, JsonCarriesGidAndStaysCompatible) {
   ASSERT_TRUE(old);
   EXPECT_EQ(old->gid, "");
   EXPECT_EQ(old->lid, 0);
+  // loopback_unchecked: sent only when true; absent (an older peer) reads as false; a non-boolean is refused.
+  EXPECT_FALSE(sj.contains("loopback_unchecked"));
+  EXPECT_FALSE(old->loopback_unchecked);
+  soft.loopback_unchecked = true;
+  auto uj = control::endpoint_json(soft);
+  EXPECT_EQ(uj.at("loopback_unchecked"), true);
+  auto agreed = control::endpoint_from(uj);
+  ASSERT_TRUE(agreed);
+  EXPECT_TRUE(agreed->loopback_unchecked);
+  uj["loopback_unchecked"] = "yes";
+  auto wrong = control::endpoint_from(uj);
+  ASSERT_FALSE(wrong);
+  EXPECT_EQ(wrong.status().code(), Errc::protocol_error);
 }
 
 TEST(VerbsOpen, WithoutDeviceSaysSoAndSuggestsSoft) {

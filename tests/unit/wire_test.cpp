@@ -252,6 +252,67 @@ TEST(StellarWire, TrailerIsCrc32c) {
     EXPECT_EQ(stored, c) << "payload " << len;
   }
 }
+
+// Between loopback addresses a packet may go without its CRC-32C (flags bit
+// 3, trailer zero): accepted only when both addresses are in 127.0.0.0/8,
+// refused as a bad checksum from anywhere else; a packet with the flag
+// clear is checked on loopback as everywhere.
+TEST(StellarWire, UncheckedPacketsAreTakenOnlyBetweenLoopbackAddresses) {
+  using namespace stellar::offload;
+  auto ip = [](uint8_t a, uint8_t b, uint8_t c, uint8_t d) {
+    uint32_t v;
+    const uint8_t bytes[4] = {a, b, c, d};
+    std::memcpy(&v, bytes, 4);
+    return v;
+  };
+  const IcrcAddresses loopback{ip(127, 0, 0, 1), ip(127, 0, 0, 2), 40000, 40001};
+  const IcrcAddresses half{ip(10, 0, 0, 1), ip(127, 0, 0, 1), 40000, 40001};
+  const IcrcAddresses remote{ip(10, 0, 0, 1), ip(10, 0, 0, 2), 40000, 40001};
+  EXPECT_TRUE(is_loopback(loopback));
+  EXPECT_FALSE(is_loopback(half));
+  EXPECT_FALSE(is_loopback(remote));
+  EXPECT_FALSE(is_loopback(IcrcAddresses{}));
+
+  Header h;
+  h.opcode = opcode::write_only;
+  h.payload_length = h.message_length = h.dma_length = 100;
+  h.unchecked = true;
+  std::vector<uint8_t> buf(400);
+  const size_t at = payload_offset(Mode::stellar, h);
+  for (uint32_t i = 0; i < 100; ++i) buf[at + i] = uint8_t(i + 1);
+  const size_t n = encode(Mode::stellar, h, buf.data(), buf.size(), loopback);
+  ASSERT_GT(n, 0u);
+  EXPECT_EQ(buf[3] & 8, 8) << "flags bit 3";
+  EXPECT_EQ(buf[n - 4] | buf[n - 3] | buf[n - 2] | buf[n - 1], 0) << "no CRC in the trailer";
+  Header d;
+  ASSERT_EQ(decode(Mode::stellar, buf.data(), n, loopback, d), DecodeError::none);
+  EXPECT_TRUE(d.unchecked);
+  EXPECT_EQ(d.payload_length, 100u);
+  EXPECT_EQ(decode(Mode::stellar, buf.data(), n, half, d), DecodeError::bad_checksum);
+  EXPECT_EQ(decode(Mode::stellar, buf.data(), n, remote, d), DecodeError::bad_checksum);
+
+  // Scattered encoding (payload in registered memory) leaves it out too.
+  std::vector<uint8_t> payload(100, 7), head(200), trailer_bytes(8, 0xee);
+  PayloadPiece piece{payload.data(), uint32_t(payload.size())};
+  uint32_t trailer_length = 0;
+  const size_t header = encode_scattered(Mode::stellar, h, head.data(), head.size(), &piece, 1, trailer_bytes.data(), trailer_length, loopback);
+  ASSERT_EQ(trailer_length, 4u);
+  EXPECT_EQ(trailer_bytes[0] | trailer_bytes[1] | trailer_bytes[2] | trailer_bytes[3], 0);
+  std::vector<uint8_t> whole(head.begin(), head.begin() + long(header));
+  whole.insert(whole.end(), payload.begin(), payload.end());
+  whole.insert(whole.end(), trailer_bytes.begin(), trailer_bytes.begin() + 4);
+  EXPECT_EQ(decode(Mode::stellar, whole.data(), whole.size(), loopback, d), DecodeError::none);
+  EXPECT_EQ(decode(Mode::stellar, whole.data(), whole.size(), remote, d), DecodeError::bad_checksum);
+
+  // The flag clear: the CRC is written and checked, loopback or not.
+  h.unchecked = false;
+  const size_t m = encode(Mode::stellar, h, buf.data(), buf.size(), loopback);
+  EXPECT_EQ(buf[3] & 8, 0);
+  ASSERT_EQ(decode(Mode::stellar, buf.data(), m, loopback, d), DecodeError::none);
+  EXPECT_FALSE(d.unchecked);
+  buf[at + 5] ^= 1;
+  EXPECT_EQ(decode(Mode::stellar, buf.data(), m, loopback, d), DecodeError::bad_checksum);
+}
 }  // namespace
 
 namespace {

@@ -13,6 +13,7 @@ uint32_t PacketWriter::finish(Header& h, TxBuffer& b) {
     responder_.acknowledgement_sent();
     if (!opcode_is_request(h.opcode)) h.path = replies_.choose();  // requests carry the requester's choice
     h.echo_path = replies_.echo(h.ce_count);
+    h.unchecked = config.loopback_unchecked && is_loopback(config.tx_addresses);
   }
   if (b.piece_count) {
     b.header_length = uint32_t(encode_scattered(config.mode, h, b.data, b.capacity, b.pieces, b.piece_count, b.trailer,

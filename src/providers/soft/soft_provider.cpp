@@ -688,6 +688,7 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
         e.remote_qpn = m.remote.qp_num;
         e.local_token = token_;
         e.remote_token = m.remote.token;
+        e.loopback_unchecked = e.mode == off::Mode::stellar && !c.options_.loopback_crc && m.remote.loopback_unchecked;
         e.send_psn = psn_;
         e.receive_psn = m.remote.psn;
         e.rto_min_ns = e.rto_initial_ns = uint64_t(m.timing.rto_min.count());
@@ -879,7 +880,9 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
 
   QpEndpoint local_endpoint() const override {
     SoftContext& c = const_cast<SoftQp*>(this)->context();
-    return QpEndpoint{c.local_address(), c.local_port(), qpn_, psn_, c.options_.mtu, pkey_, c.options_.mode, {}, 0, token_};
+    return QpEndpoint{c.local_address(), c.local_port(), qpn_, psn_,    c.options_.mtu,
+                      pkey_,             c.options_.mode, {},   0,     token_,
+                      c.options_.mode == Mode::stellar && !c.options_.loopback_crc};
   }
 
   // MemoryAccess: remote keys of this QP's tenant, for regions of this PD.

@@ -220,7 +220,11 @@ struct EngineConfig {
   uint32_t path_burst_packets = 16;
   CcAlgorithm cc = CcAlgorithm::none;
   CcConfig cc_config{};
-  IcrcAddresses tx_addresses{};    // roce mode ICRC of what we send
+  IcrcAddresses tx_addresses{};    // roce mode ICRC of what we send; stellar: is_loopback
+  // stellar mode: both ends agreed to leave the CRC-32C out between loopback
+  // addresses; packets go without it while tx_addresses is_loopback
+  // (Header::unchecked).
+  bool loopback_unchecked = false;
 };
 
 // One datagram to send. Small payloads are copied into `data`; large ones
@@ -342,6 +346,9 @@ class QpEngine {
   // packets are outstanding, so that within one round trip the peer sees
   // the new address and each side learns what was lost in the move.
   void addresses_changed(uint64_t now_ns);
+  // The host's or the peer's address changed (rebind, validated migration):
+  // what config().tx_addresses holds from now on.
+  void set_tx_addresses(const IcrcAddresses& addresses);
 
   // For a QP being destroyed: its acknowledgement of what it accepted, if one
   // is held back, and nothing else (no requests, no READ responses). What

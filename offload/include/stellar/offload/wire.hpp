@@ -145,6 +145,13 @@ struct Header {
   // stellar mode, path_challenge / path_response: the 8 random bytes a
   // challenge carries and its response echoes.
   uint64_t challenge = 0;
+  // stellar mode: the trailer holds no CRC-32C (flags bit 3). Only between
+  // two loopback addresses, where the datagram never leaves memory: there
+  // the kernel checksums nothing either (lo marks every packet as verified),
+  // so the CRC would guard against nothing the UDP and TCP peers are guarded
+  // against. encode() honours it; decode() accepts such a packet only when
+  // both of its addresses are loopback (is_loopback), else bad_checksum.
+  bool unchecked = false;
   // Payload (points into the decoded buffer).
   const uint8_t* payload = nullptr;
   uint32_t payload_length = 0;
@@ -158,6 +165,10 @@ struct IcrcAddresses {
   uint16_t source_port = 0;
   uint16_t destination_port = roce_udp_port;
 };
+
+// Both addresses in 127.0.0.0/8: the datagram goes from memory to memory
+// through the kernel's loopback device (Header::unchecked).
+bool is_loopback(const IcrcAddresses& addresses);
 
 enum class DecodeError : uint8_t {
   none,
