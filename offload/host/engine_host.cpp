@@ -74,6 +74,12 @@ struct EngineHost::Engine final : Host::Engine {
   // announce interval, so that one lost announcement, challenge or
   // response does not leave the peer sending to the old address.
   uint64_t validated_challenge = 0;  // the last challenge answered (its repeats' answers are no forgery)
+  // The challenge of a validation given up unanswered (max_challenges), and
+  // its candidate: a peer descheduled for a few milliseconds answers it
+  // late. The next validation of the same candidate asks the same question,
+  // so those late answers validate it instead of counting as forgeries.
+  sockaddr_in abandoned_candidate{};
+  uint64_t abandoned_challenge = 0;
   bool announcing = false;
   uint64_t next_announce = 0;
   uint32_t announcements = 0;
@@ -527,6 +533,9 @@ void EngineHost::on_path_validation(Engine& e, const sockaddr_in& from, const ui
   // A late answer to a challenge sent again, after the first answer
   // validated the address: a duplicate, not a forgery.
   if (!v.active && e.validated_challenge != 0 && h.challenge == e.validated_challenge && same_address(e.peer, from)) return;
+  // A late answer to a validation given up: stale, not forged (the next
+  // packet from there starts one with the same challenge).
+  if (!v.active && e.abandoned_challenge != 0 && h.challenge == e.abandoned_challenge && same_address(e.abandoned_candidate, from)) return;
   if (!v.active || !same_address(v.candidate, from) || h.challenge != v.challenge) {
     ++migrations_rejected_;  // answers no challenge of ours: forged, or stale
     return;
@@ -577,7 +586,7 @@ void EngineHost::on_unvalidated(Engine& e, const sockaddr_in& from, const uint8_
     v = Engine::Validation{};
     v.active = true;
     v.candidate = from;
-    v.challenge = random64();
+    v.challenge = e.abandoned_challenge && same_address(e.abandoned_candidate, from) ? e.abandoned_challenge : random64();
   }
   // Where the challenge goes: the peer's receiving socket at the new
   // address. Packets of path 0 leave from it; until one arrives, the port
@@ -615,6 +624,8 @@ void EngineHost::address_timers_locked(uint64_t now) {
     if (v.active && now - v.sent_ns >= std::max(min_challenge_interval_ns, 2 * e.engine.smoothed_rtt_ns())) {
       if (v.sends >= max_challenges) {
         migration_dropped_ += v.held.size();  // never answered: forget it and what it held
+        e.abandoned_candidate = v.candidate;
+        e.abandoned_challenge = v.challenge;
         v = Engine::Validation{};
       } else {
         send_challenge(e, now);  // the challenge or its response may have been lost

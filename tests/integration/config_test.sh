@@ -9,8 +9,10 @@ cli="$1"; pingpong="$2"; root="$3"
 doc="$root/docs/configuration.md"
 known=$("$cli" config --json | python3 -c 'import json, sys; print("\n".join(v["name"] for v in json.load(sys.stdin)))')
 documented=$(grep -oE '^\| `[A-Z_]+`' "$doc" | tr -d '|` ')
-for name in $known; do echo "$documented" | grep -qx "$name" || { echo "docs/configuration.md does not list $name"; exit 1; }; done
-for name in $documented; do echo "$known" | grep -qx "$name" || { echo "docs/configuration.md lists $name, which the code does not read"; exit 1; }; done
+# Here-strings, not echo | grep -q: grep -q exits at its first match, and
+# with pipefail the echo's SIGPIPE would fail the check at random.
+for name in $known; do grep -qx "$name" <<< "$documented" || { echo "docs/configuration.md does not list $name"; exit 1; }; done
+for name in $documented; do grep -qx "$name" <<< "$known" || { echo "docs/configuration.md lists $name, which the code does not read"; exit 1; }; done
 echo "$(echo "$known" | wc -l) variables, documented alike"
 
 # Every tuning constant the documentation lists is where it says.
