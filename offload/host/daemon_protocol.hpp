@@ -37,8 +37,10 @@ namespace stellar::host::daemon {
 
 inline constexpr uint32_t protocol_magic = 0x53544c44;  // "STLD"
 // 3: paths (multipath); 4: address-change counters; 5: traffic class;
-// 6: tenant and credential in the open, job label in the attach
-inline constexpr uint32_t protocol_version = 6;
+// 6: tenant and credential in the open, job label in the attach;
+// 7: loopback_unchecked in the attach (an older daemon would drop the
+// unchecked packets the library's QPs agreed to)
+inline constexpr uint32_t protocol_version = 7;
 inline constexpr size_t max_message_bytes = 4096;
 inline constexpr int max_message_fds = 2;  // the open's: shared area memfd, the daemon's end of the bell pair
 

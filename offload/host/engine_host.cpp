@@ -78,8 +78,13 @@ struct EngineHost::Engine final : Host::Engine {
   // its candidate: a peer descheduled for a few milliseconds answers it
   // late. The next validation of the same candidate asks the same question,
   // so those late answers validate it instead of counting as forgeries.
+  // Only for abandoned_lifetime_ns, and cleared once any validation
+  // succeeds: a challenge is fresh, unpredictable data, not a standing
+  // password that a recorded answer could replay much later.
   sockaddr_in abandoned_candidate{};
   uint64_t abandoned_challenge = 0;
+  uint64_t abandoned_ns = 0;
+  bool abandoned_fresh(const sockaddr_in& from, uint64_t now) const;
   bool announcing = false;
   uint64_t next_announce = 0;
   uint32_t announcements = 0;
@@ -98,6 +103,7 @@ constexpr uint64_t announce_interval_ns = 1'000'000;
 // A challenge goes out again, at most this often, while packets keep coming
 // from the unvalidated address (the first may have been lost).
 constexpr uint64_t min_challenge_interval_ns = 200'000;
+constexpr uint64_t abandoned_lifetime_ns = 100'000'000;  // a given-up challenge stays askable this long
 // The kernel's address notifications are read at most this often (one
 // non-blocking recv), so that busy polling does not pay a syscall per round.
 constexpr uint64_t netlink_interval_ns = 250'000;
@@ -111,6 +117,10 @@ uint64_t random64() {
 
 bool same_address(const sockaddr_in& a, const sockaddr_in& b) { return a.sin_addr.s_addr == b.sin_addr.s_addr; }
 }  // namespace
+
+bool EngineHost::Engine::abandoned_fresh(const sockaddr_in& from, uint64_t now) const {
+  return abandoned_challenge != 0 && now - abandoned_ns < abandoned_lifetime_ns && same_address(abandoned_candidate, from);
+}
 
 EngineHost::EngineHost(std::mutex& lock, HostClient& client) : lock_(lock), client_(client) {}
 
@@ -535,7 +545,7 @@ void EngineHost::on_path_validation(Engine& e, const sockaddr_in& from, const ui
   if (!v.active && e.validated_challenge != 0 && h.challenge == e.validated_challenge && same_address(e.peer, from)) return;
   // A late answer to a validation given up: stale, not forged (the next
   // packet from there starts one with the same challenge).
-  if (!v.active && e.abandoned_challenge != 0 && h.challenge == e.abandoned_challenge && same_address(e.abandoned_candidate, from)) return;
+  if (!v.active && e.abandoned_fresh(from, now) && h.challenge == e.abandoned_challenge) return;
   if (!v.active || !same_address(v.candidate, from) || h.challenge != v.challenge) {
     ++migrations_rejected_;  // answers no challenge of ours: forged, or stale
     return;
@@ -550,6 +560,7 @@ void EngineHost::on_path_validation(Engine& e, const sockaddr_in& from, const ui
   e.engine.set_tx_addresses(tx);
   std::vector<Engine::Held> held = std::move(v.held);
   e.validated_challenge = v.challenge;
+  e.abandoned_challenge = 0;
   v = Engine::Validation{};
   ++migrations_;
   for (const Engine::Held& d : held)
@@ -586,7 +597,7 @@ void EngineHost::on_unvalidated(Engine& e, const sockaddr_in& from, const uint8_
     v = Engine::Validation{};
     v.active = true;
     v.candidate = from;
-    v.challenge = e.abandoned_challenge && same_address(e.abandoned_candidate, from) ? e.abandoned_challenge : random64();
+    v.challenge = e.abandoned_fresh(from, now) ? e.abandoned_challenge : random64();
   }
   // Where the challenge goes: the peer's receiving socket at the new
   // address. Packets of path 0 leave from it; until one arrives, the port
@@ -626,6 +637,7 @@ void EngineHost::address_timers_locked(uint64_t now) {
         migration_dropped_ += v.held.size();  // never answered: forget it and what it held
         e.abandoned_candidate = v.candidate;
         e.abandoned_challenge = v.challenge;
+        e.abandoned_ns = now;
         v = Engine::Validation{};
       } else {
         send_challenge(e, now);  // the challenge or its response may have been lost

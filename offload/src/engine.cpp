@@ -89,7 +89,12 @@ PostResult QpEngine::post_receive(const ReceiveWork& work) { return s_->responde
 void QpEngine::receive(const uint8_t* data, size_t length, const IcrcAddresses& addresses, uint64_t now_ns, uint64_t arrival_ns,
                        bool congestion_mark) {
   Header h;
-  const DecodeError e = decode(s_->ctx.config.mode, data, length, addresses, h);
+  // stellar mode: the addresses only tell whether an unchecked packet
+  // (Header::unchecked) may be taken; a QP that did not agree to leave the
+  // CRC out on loopback takes none (decode refuses them without addresses).
+  const EngineConfig& c = s_->ctx.config;
+  const bool refuse_unchecked = c.mode == Mode::stellar && !c.loopback_unchecked;
+  const DecodeError e = decode(c.mode, data, length, refuse_unchecked ? IcrcAddresses{} : addresses, h);
   if (e != DecodeError::none) {
     ++s_->ctx.counters.decode_errors;
     return;

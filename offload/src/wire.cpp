@@ -665,7 +665,8 @@ DecodeError decode(Mode mode, const uint8_t* data, size_t length, const IcrcAddr
   h.unchecked = flags & stellar_flag_unchecked;
   // An unchecked packet from anywhere but loopback to loopback is refused
   // as if its CRC were wrong: off the host only the CRC protects the bytes.
-  if (h.unchecked ? !is_loopback(addresses) : get32(data + length - trailer) != crc32c(data, length - trailer))
+  const uint32_t stored = get32(data + length - trailer);
+  if (h.unchecked ? (!is_loopback(addresses) || stored != 0) : stored != crc32c(data, length - trailer))
     return DecodeError::bad_checksum;
   h.ack_request = flags & 1;
   h.solicited = flags & 2;
