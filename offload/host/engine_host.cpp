@@ -25,6 +25,14 @@ uint64_t monotonic_ns() {
   return uint64_t(t.tv_sec) * 1'000'000'000ull + uint64_t(t.tv_nsec);
 }
 
+uint64_t arrival_from_stamp(uint64_t stamp, int64_t offset, uint64_t now) {
+  if (stamp == 0) return 0;
+  const uint64_t at = uint64_t(int64_t(stamp) - offset);
+  constexpr uint64_t second = 1'000'000'000;
+  const uint64_t distance = at > now ? at - now : now - at;
+  return distance < second && at != 0 ? at : 0;
+}
+
 void accumulate(off::EngineCounters& sum, const off::EngineCounters& e) {
   // Every field: the host's sum is what ContextCounters and a future
   // daemon's statistics are built from.
@@ -411,15 +419,11 @@ bool EngineHost::progress_round_locked(uint64_t now, bool& more) {
     work = true;
     ++receive_calls_;
     // Kernel arrival stamps are CLOCK_REALTIME; the engine runs on MONOTONIC.
-    timespec real;
-    clock_gettime(CLOCK_REALTIME, &real);
-    const uint64_t realtime_now = uint64_t(real.tv_sec) * 1'000'000'000ull + uint64_t(real.tv_nsec);
-    const uint64_t monotonic_now = monotonic_ns();
+    const int64_t offset = realtime_offset(now);
     for (int i = 0; i < n; ++i) {
-      const uint64_t stamp = rx_[i].arrival_realtime_ns;
-      // A stamp more than 1 s old means CLOCK_REALTIME stepped: no host-delay estimate then.
-      const uint64_t age = stamp && stamp <= realtime_now ? realtime_now - stamp : UINT64_MAX;
-      const uint64_t arrival = age < 1'000'000'000 && age < monotonic_now ? monotonic_now - age : 0;
+      // A CLOCK_REALTIME step smaller than the 1 s arrival_from_stamp
+      // notices skews the estimates until the next refresh of the offset.
+      const uint64_t arrival = arrival_from_stamp(rx_[i].arrival_realtime_ns, offset, now);
       const uint32_t step = rx_[i].segment_size ? rx_[i].segment_size : std::max<uint32_t>(rx_[i].length, 1);
       if (rx_[i].segment_size) coalesced_ += (rx_[i].length + step - 1) / step;
       for (uint32_t at = 0; at < rx_[i].length || (at == 0 && rx_[i].length == 0); at += step) {
@@ -488,7 +492,7 @@ bool EngineHost::progress_round_locked(uint64_t now, bool& more) {
   // A datagram held back for reordering goes out now if nothing overtook it.
   send_errors_ += filter_->release_held();
   if (options_.mode == off::Mode::stellar) {
-    if (netlink_fd_ >= 0 && address_changes()) address_suspect_ = true;
+    if (netlink_fd_ >= 0 && address_changes(now)) address_suspect_ = true;
     if (address_suspect_) follow_address_locked(now);
     if (timers_due_ <= now) {
       address_timers_locked(now);
@@ -655,8 +659,18 @@ void EngineHost::address_timers_locked(uint64_t now) {
   }
 }
 
-bool EngineHost::address_changes() {
-  const uint64_t now = monotonic_ns();
+int64_t EngineHost::realtime_offset(uint64_t now) {
+  if (realtime_offset_at_ == 0 || now - realtime_offset_at_ >= realtime_refresh_ns) {
+    timespec real;
+    clock_gettime(CLOCK_REALTIME, &real);
+    const uint64_t monotonic = monotonic_ns();
+    realtime_offset_ = int64_t(uint64_t(real.tv_sec) * 1'000'000'000ull + uint64_t(real.tv_nsec)) - int64_t(monotonic);
+    realtime_offset_at_ = now ? now : 1;
+  }
+  return realtime_offset_;
+}
+
+bool EngineHost::address_changes(uint64_t now) {
   if (now - netlink_checked_ < netlink_interval_ns) return false;
   netlink_checked_ = now;
   bool any = false;

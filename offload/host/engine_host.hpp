@@ -146,8 +146,14 @@ class EngineHost final : public Host {
   // reported an address change: if our address is gone, rebind to the one
   // the kernel now sends from toward a peer.
   void follow_address_locked(uint64_t now);
-  // Reads the kernel's address notifications (rate-limited); true if any came.
-  bool address_changes();
+  // Reads the kernel's address notifications (rate-limited by `now`, the
+  // round's clock: no clock read of its own); true if any came.
+  bool address_changes(uint64_t now);
+  // CLOCK_REALTIME - CLOCK_MONOTONIC, for turning the kernel's arrival
+  // stamps (REALTIME) into the engine's clock without two clock reads per
+  // receive batch; refreshed every realtime_refresh_ns of `now`.
+  int64_t realtime_offset(uint64_t now);
+  static constexpr uint64_t realtime_refresh_ns = 50'000'000;
 
   static constexpr int rx_batch = 32;  // datagrams per receive call
   static constexpr int tx_batch = 64;  // datagrams per transmit pass (and per sendmmsg)
@@ -191,6 +197,8 @@ class EngineHost final : public Host {
   sockaddr_in local_{};
   int netlink_fd_ = -1;           // RTMGRP_IPV4_IFADDR notifications (follow_address)
   uint64_t netlink_checked_ = 0;  // when it was last read
+  int64_t realtime_offset_ = 0;   // realtime_offset()'s cached value
+  uint64_t realtime_offset_at_ = 0;  // the `now` it was taken at (0: never)
   uint64_t follow_checked_ = 0;   // when follow_address_locked last looked
   uint64_t follow_logged_ = 0;    // when a failed rebind was last reported
   uint64_t timers_due_ = 0;       // address_timers_locked's next run

@@ -30,6 +30,13 @@ namespace stellar::host {
 
 // CLOCK_MONOTONIC in nanoseconds: the clock engines run on.
 uint64_t monotonic_ns();
+// A kernel receive stamp (SO_TIMESTAMPNS: CLOCK_REALTIME ns, 0 = none) on
+// the engines' clock, given CLOCK_REALTIME - CLOCK_MONOTONIC (`offset`, ns)
+// taken a while ago and `now` (MONOTONIC ns). 0 (no estimate) without a
+// stamp, or when the result is more than 1 s from `now`: CLOCK_REALTIME
+// stepped since the offset was taken. May be a little later than `now`
+// when `now` was read before the receive call; engines take that as no wait.
+uint64_t arrival_from_stamp(uint64_t stamp, int64_t offset, uint64_t now);
 
 struct HostOptions {
   std::string bind_address = "127.0.0.1";

@@ -1,8 +1,9 @@
 // The flow scheduler on a virtual clock (offload/host/flow_scheduler.hpp):
 // shares by weight, work conservation, rate limits, control priority and
 // its budget. The engine host's use of it is tested in the integration
-// suite (Tenants.*).
+// suite (Tenants.*). Also the host clock conversion of receive stamps.
 #include "host/flow_scheduler.hpp"
+#include "host/host.hpp"
 
 #include <gtest/gtest.h>
 
@@ -319,4 +320,22 @@ TEST(FlowScheduler, ControlClassBulkBeyondItsBudgetDoesNotSinkTheBudgetForLong) 
   sim.now = sim.s.eligible_at(sim.now);
   ASSERT_TRUE(sim.s.next(sim.now, f, budget));
   EXPECT_EQ(f, bulk_as_control);
+}
+
+// The engine host turns the kernel's CLOCK_REALTIME receive stamps into
+// the engines' MONOTONIC clock with a cached offset, not two clock reads
+// per receive batch: the conversion, and what it refuses.
+TEST(HostClock, ArrivalStampsComeOutOnTheMonotonicClockOrNotAtAll) {
+  const uint64_t now = 5'000'000'000'000ull;              // MONOTONIC
+  const int64_t offset = 1'700'000'000'000'000'000ll - int64_t(now);  // REALTIME - MONOTONIC
+  const auto realtime = [&](uint64_t monotonic) { return uint64_t(int64_t(monotonic) + offset); };
+  EXPECT_EQ(stellar::host::arrival_from_stamp(realtime(now - 12'345), offset, now), now - 12'345);
+  EXPECT_EQ(stellar::host::arrival_from_stamp(realtime(now), offset, now), now);
+  // Stamped during the receive call, after `now` was read: kept, later than now.
+  EXPECT_EQ(stellar::host::arrival_from_stamp(realtime(now + 800), offset, now), now + 800);
+  EXPECT_EQ(stellar::host::arrival_from_stamp(0, offset, now), 0u);  // no stamp
+  // More than a second away: CLOCK_REALTIME stepped, no estimate.
+  EXPECT_EQ(stellar::host::arrival_from_stamp(realtime(now - 2'000'000'000), offset, now), 0u);
+  EXPECT_EQ(stellar::host::arrival_from_stamp(realtime(now) + 3'000'000'000ull, offset, now), 0u);
+  EXPECT_EQ(stellar::host::arrival_from_stamp(realtime(now) - 3'000'000'000ull, offset, now), 0u);
 }
