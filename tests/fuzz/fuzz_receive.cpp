@@ -1,11 +1,13 @@
 // libFuzzer target: the packet decoders and the engine's receive path, both
 // modes. The first input byte picks the mode (bit 0: roce) and, in stellar
 // mode, the engine's connection token (bit 1: `fuzz_token`, else 0, which is
-// what generated packets carry); the rest is one datagram fed to a connected
+// what generated packets carry), and with bit 2 loopback addresses and a QP
+// that takes packets without the CRC; the rest is one datagram fed to a connected
 // responder/requester with registered memory, receives posted and work
 // outstanding, so that every branch of the receive path is reachable, the
 // token check included. Nothing may crash, and memory outside the registered
 // region stays intact.
+#include <arpa/inet.h>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -47,9 +49,10 @@ struct Rig {
   std::unique_ptr<QpEngine> engine;
   std::vector<uint8_t> local = std::vector<uint8_t>(64 * 1024);
   std::vector<uint8_t> out = std::vector<uint8_t>(8192);
-  Rig(Mode mode, uint64_t token) {
+  Rig(Mode mode, uint64_t token, bool loopback) {
     EngineConfig c;
     c.mode = mode;
+    c.loopback_unchecked = loopback;
     c.local_token = token;
     c.remote_token = token;
     c.local_qpn = 7;
@@ -83,13 +86,19 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 1) return 0;
   const Mode mode = (data[0] & 1) ? Mode::roce : Mode::stellar;
   const uint64_t token = (data[0] & 2) ? fuzz_token : 0;
+  // Bit 2: between loopback addresses, with a QP that agreed to take
+  // packets without the CRC (corpus/stellar-token-unchecked-*): the
+  // unchecked flag's paths (docs/wire-format.md, "The CRC on loopback").
+  const bool loopback = (data[0] & 4) != 0;
+  IcrcAddresses addresses;
+  if (loopback) addresses.source_ip = addresses.destination_ip = htonl(INADDR_LOOPBACK);
   Header h;
-  (void)decode(mode, data + 1, size - 1, IcrcAddresses{}, h);
-  Rig rig(mode, token);
+  (void)decode(mode, data + 1, size - 1, addresses, h);
+  Rig rig(mode, token, loopback);
   rig.prime();
-  rig.engine->receive(data + 1, size - 1, IcrcAddresses{}, 10);
+  rig.engine->receive(data + 1, size - 1, addresses, 10);
   // The decoded form skips the checksum, reaching deeper engine states.
-  if (decode(mode, data + 1, size - 1, IcrcAddresses{}, h) != DecodeError::none && size > 8) {
+  if (decode(mode, data + 1, size - 1, addresses, h) != DecodeError::none && size > 8) {
     Header forged;
     std::memcpy(&forged.psn, data + 1, 4);
     forged.opcode = uint8_t(data[5] % (opcode::last_valid + 1));
