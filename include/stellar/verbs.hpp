@@ -151,6 +151,12 @@ struct ContextOptions {
   // there); off the host the CRC is always sent and checked
   // (docs/wire-format.md). STELLAR_LOOPBACK_CRC=1 keeps it on loopback too.
   bool loopback_crc = false;
+  // soft provider, stellar mode: while a WRITE streams in, receive each
+  // datagram's payload straight into the registered memory it is written
+  // to (the kernel's copy is the only one) instead of into a receive
+  // buffer that the engine then copies from (docs/wire-format.md,
+  // "Receiving into place"). STELLAR_RX_PLACEMENT=0 turns it off.
+  bool rx_placement = true;
   std::string device;                          // verbs provider: device name, e.g. "mlx5_0" ("" = chosen by bind_address)
   // Tenants (docs/scheduler.md). The context opens as `tenant` (its PDs'
   // default) with `credential`; with a tenants file, the file must list the
@@ -414,6 +420,11 @@ struct ContextCounters {
   uint64_t send_errors = 0;               // datagrams the kernel refused (e.g. ENOBUFS): lost, retransmitted
   uint64_t rx_receive_calls = 0;          // recvmmsg calls that returned data
   uint64_t rx_coalesced = 0;              // datagrams that arrived coalesced by UDP GRO
+  // stellar: packets whose payload the kernel received straight into the
+  // registered memory it was written to (ContextOptions::rx_placement), and
+  // datagrams that were not the packets expected there (taken through a
+  // receive buffer instead: a copy, nothing lost).
+  uint64_t rx_placed = 0, rx_placement_misses = 0;
   // CPU time (user + system, ns) spent where the engines run outside the
   // calling threads: ProgressMode::thread, this context's engine thread;
   // ProgressMode::daemon, the whole stellar-engined process (every context it

@@ -290,6 +290,7 @@ void EngineHost::detach_locked(Host::Engine* handle) {
   r.waits.wait_ns_max = std::max(r.waits.wait_ns_max, w.wait_ns_max);
   sched().remove(e->flow);
   flow_engines_[e->flow] = nullptr;
+  if (expecting_ == e) expecting_ = nullptr;
   engines_.erase(e->key);
 }
 
@@ -410,66 +411,185 @@ bool EngineHost::progress_locked(uint64_t now) {
   return work;
 }
 
+// One received datagram (several, coalesced by GRO, of segment_size bytes
+// each) from byte `from` on: each to its engine, through the checks every
+// datagram passes.
+void EngineHost::deliver_datagram(const Datagram& d, uint32_t from_byte, uint64_t now, uint64_t arrival) {
+  const uint32_t step = d.segment_size ? d.segment_size : std::max<uint32_t>(d.length - from_byte, 1);
+  if (d.segment_size) coalesced_ += (d.length - from_byte + step - 1) / step;
+  for (uint32_t at = from_byte; at < d.length || (at == from_byte && d.length == from_byte); at += step) {
+    const uint8_t* data = d.data + at;
+    const uint32_t length = std::min(step, d.length - at);
+    uint16_t pkey;
+    uint32_t qpn;
+    if (!off::peek_destination(options_.mode, data, length, pkey, qpn)) {
+      ++malformed_;
+      break;
+    }
+    auto it = engines_.find(uint64_t(pkey) << 32 | qpn);
+    if (it == engines_.end()) {
+      ++unknown_qp_;  // no such QP in that tenant
+      continue;
+    }
+    Engine& e = *it->second;
+    const sockaddr_in& from = d.peer;
+    if (options_.mode == off::Mode::stellar) {
+      // A stellar-mode peer sprays from many source ports of its
+      // address; the engine's token check tells it from a forger. From
+      // another address: path validation first (connection IDs, not
+      // addresses, name a connection; a new address must prove itself).
+      if (off::opcode_is_path_validation(data[2])) {
+        on_path_validation(e, from, data, length, now);
+        continue;
+      }
+      if (!same_address(e.peer, from)) {
+        on_unvalidated(e, from, data, length, now, arrival, d.congestion_mark);
+        continue;
+      }
+    } else if (!same_address(e.peer, from) || e.peer.sin_port != from.sin_port) {
+      ++unknown_qp_;  // roce: not from its peer's address and port
+      continue;
+    }
+    heard_from(e, data, arrival);
+    e.engine.receive(data, length, e.rx_addresses, now, arrival, d.congestion_mark);
+    note_expectation(e);
+  }
+}
+
+void EngineHost::heard_from(Engine& e, const uint8_t* data, uint64_t arrival) {
+  e.announcing = false;  // the peer reaches us here: it knows where we are
+  if (moved_at_ && options_.mode == off::Mode::stellar && (data[3] & 4) != 0) {
+    // The first acknowledgement since this host moved: how long the
+    // move cost (the peer validated the new address and answered).
+    const uint64_t at = arrival ? arrival : monotonic_ns();
+    last_move_ns_ = at > moved_at_ ? at - moved_at_ : 0;
+    moved_at_ = 0;
+  }
+}
+
+// Direct placement. After an engine took a packet of a WRITE that has more
+// to come, its next packets are likely the next datagrams on the socket
+// (loopback and a single path keep their order; GSO sends a run of them as
+// one datagram, which GRO hands over whole): the next receive lays out
+// iovecs so that the kernel writes each expected packet's headers and
+// trailer into small buffers and its payload straight where the engine
+// would have copied it. Safe whatever comes instead: the engine vouches
+// (QpEngine::placement) that each place belongs to a packet of that WRITE
+// that has not arrived, so nothing there is final until it does, and then
+// it is written again with the right bytes.
+void EngineHost::note_expectation(Engine& e) {
+  if (!options_.rx_placement || options_.mode != off::Mode::stellar) return;
+  off::QpEngine::ExpectedWrite w;
+  if (e.engine.expected_write(w)) {
+    expecting_ = &e;
+  } else if (expecting_ == &e) {
+    expecting_ = nullptr;
+  }
+}
+
+EngineHost::Placed EngineHost::receive_into_place(uint64_t now) {
+  Engine& e = *expecting_;
+  off::QpEngine::ExpectedWrite w;
+  const uint32_t mtu = e.engine.config().mtu;
+  constexpr uint32_t header = off::stellar_write_header_bytes, trailer = 4;  // stellar PSNs are 32 bits: psn + k wraps as they do
+  const uint32_t segment = header + mtu + trailer;
+  Datagram& d = rx_[0];
+  if (!e.engine.expected_write(w) || d.capacity < segment) {
+    expecting_ = nullptr;
+    return Placed::gave_up;
+  }
+  // Only middle packets (a full MTU, no immediate: a fixed header): the
+  // message's last one may carry an immediate, and goes through d.data.
+  uint32_t expected = 0;
+  iovec parts[UdpSocket::max_scatter];
+  while (expected < max_placed_segments && (expected + 1) * segment <= d.capacity) {
+    const uint32_t offset = w.offset + expected * mtu;
+    if (uint64_t(offset) + mtu >= w.message_length) break;
+    uint8_t* place = e.engine.placement(w.psn + expected, w.rkey, w.remote_addr, w.message_length, offset, mtu);
+    if (!place) break;
+    placed_at_[expected] = place;
+    parts[3 * expected] = {placed_headers_[expected], header};
+    parts[3 * expected + 1] = {place, mtu};
+    parts[3 * expected + 2] = {placed_trailers_[expected], trailer};
+    ++expected;
+  }
+  if (expected == 0) {
+    expecting_ = nullptr;
+    return Placed::gave_up;
+  }
+  const uint32_t parts_bytes = expected * segment;
+  if (!socket_.receive_scattered(d, parts, int(3 * expected), parts_bytes)) return Placed::none;
+  ++receive_calls_;
+  const uint64_t arrival = arrival_from_stamp(d.arrival_realtime_ns, realtime_offset(now), now);
+  // Which of the expected packets came, and whether the datagram is what
+  // was expected: every segment the full size, each one's headers those of
+  // the packet expected there, from the QP's peer.
+  const uint32_t step = d.segment_size ? d.segment_size : d.length;
+  const uint32_t came = d.length == 0 ? 0 : std::min(expected, (d.length + step - 1) / step);
+  bool as_expected = came > 0 && step == segment && came * segment <= d.length && same_address(e.peer, d.peer);
+  for (uint32_t k = 0; as_expected && k < came; ++k) {
+    off::WritePlacement p;
+    as_expected = off::peek_write_placement(placed_headers_[k], header, p) && p.opcode == off::opcode::write_middle &&
+                  p.dest_qpn == e.engine.config().local_qpn && p.pkey == e.engine.config().pkey &&
+                  p.psn == w.psn + k && p.rkey == w.rkey && p.remote_addr == w.remote_addr &&
+                  p.message_length == w.message_length && p.message_offset == w.offset + k * mtu;
+  }
+  if (!as_expected) {
+    // Something else came (an acknowledgement, another message, another
+    // QP's packet, a duplicate): put it back together in d.data, as a
+    // receive into it would have left it, and take it from there.
+    ++placement_misses_;
+    uint32_t at = 0;
+    for (uint32_t k = 0; k < expected && at < d.length; ++k)
+      for (int j = 0; j < 3; ++j) {
+        const iovec& v = parts[3 * k + uint32_t(j)];
+        const uint32_t n = std::min<uint32_t>(uint32_t(v.iov_len), d.length - at);
+        std::memcpy(d.data + at, v.iov_base, n);
+        at += n;
+      }
+    deliver_datagram(d, 0, now, arrival);
+    return Placed::one;
+  }
+  if (d.segment_size) coalesced_ += (d.length + step - 1) / step;
+  heard_from(e, placed_headers_[0], arrival);
+  for (uint32_t k = 0; k < came; ++k) {
+    e.engine.receive_placed(placed_headers_[k], header, placed_at_[k], mtu, placed_trailers_[k], e.rx_addresses, now, arrival,
+                            d.congestion_mark);
+    ++placed_;
+  }
+  note_expectation(e);
+  // Segments beyond the expected ones (the message's last packet, or more
+  // than were laid out) are in d.data past the parts, whole.
+  if (d.length > parts_bytes) {
+    if (d.segment_size) coalesced_ -= (d.length - parts_bytes + step - 1) / step;  // counted above already
+    deliver_datagram(d, parts_bytes, now, arrival);
+  }
+  return Placed::one;
+}
+
 bool EngineHost::progress_round_locked(uint64_t now, bool& more) {
   bool work = false;
   client_.on_progress_locked(now);
   for (int round = 0; round < 4; ++round) {
+    // Kernel arrival stamps are CLOCK_REALTIME; the engine runs on MONOTONIC.
+    // A CLOCK_REALTIME step smaller than the 1 s arrival_from_stamp notices
+    // skews the estimates until the next refresh of the offset.
+    if (expecting_) {
+      // A WRITE streams in: one datagram at a time, straight into place,
+      // until something else comes or the message ends.
+      Placed r = Placed::one;
+      int taken = 0;
+      while (expecting_ && taken < rx_batch && (r = receive_into_place(now)) == Placed::one) ++taken;
+      if (taken) work = true;
+      if (r == Placed::none) break;  // the socket is empty
+      if (expecting_) continue;      // more of the stream: another round
+    }
     const int n = socket_.receive_batch(rx_, rx_batch);
     if (n == 0) break;
     work = true;
     ++receive_calls_;
-    // Kernel arrival stamps are CLOCK_REALTIME; the engine runs on MONOTONIC.
     const int64_t offset = realtime_offset(now);
-    for (int i = 0; i < n; ++i) {
-      // A CLOCK_REALTIME step smaller than the 1 s arrival_from_stamp
-      // notices skews the estimates until the next refresh of the offset.
-      const uint64_t arrival = arrival_from_stamp(rx_[i].arrival_realtime_ns, offset, now);
-      const uint32_t step = rx_[i].segment_size ? rx_[i].segment_size : std::max<uint32_t>(rx_[i].length, 1);
-      if (rx_[i].segment_size) coalesced_ += (rx_[i].length + step - 1) / step;
-      for (uint32_t at = 0; at < rx_[i].length || (at == 0 && rx_[i].length == 0); at += step) {
-        const uint8_t* data = rx_[i].data + at;
-        const uint32_t length = std::min(step, rx_[i].length - at);
-        uint16_t pkey;
-        uint32_t qpn;
-        if (!off::peek_destination(options_.mode, data, length, pkey, qpn)) {
-          ++malformed_;
-          break;
-        }
-        auto it = engines_.find(uint64_t(pkey) << 32 | qpn);
-        if (it == engines_.end()) {
-          ++unknown_qp_;  // no such QP in that tenant
-          continue;
-        }
-        Engine& e = *it->second;
-        const sockaddr_in& from = rx_[i].peer;
-        if (options_.mode == off::Mode::stellar) {
-          // A stellar-mode peer sprays from many source ports of its
-          // address; the engine's token check tells it from a forger. From
-          // another address: path validation first (connection IDs, not
-          // addresses, name a connection; a new address must prove itself).
-          if (off::opcode_is_path_validation(data[2])) {
-            on_path_validation(e, from, data, length, now);
-            continue;
-          }
-          if (!same_address(e.peer, from)) {
-            on_unvalidated(e, from, data, length, now, arrival, rx_[i].congestion_mark);
-            continue;
-          }
-        } else if (!same_address(e.peer, from) || e.peer.sin_port != from.sin_port) {
-          ++unknown_qp_;  // roce: not from its peer's address and port
-          continue;
-        }
-        e.announcing = false;  // the peer reaches us here: it knows where we are
-        if (moved_at_ && options_.mode == off::Mode::stellar && (data[3] & 4) != 0) {
-          // The first acknowledgement since this host moved: how long the
-          // move cost (the peer validated the new address and answered).
-          const uint64_t at = arrival ? arrival : monotonic_ns();
-          last_move_ns_ = at > moved_at_ ? at - moved_at_ : 0;
-          moved_at_ = 0;
-        }
-        e.engine.receive(data, length, e.rx_addresses, now, arrival, rx_[i].congestion_mark);
-      }
-    }
+    for (int i = 0; i < n; ++i) deliver_datagram(rx_[i], 0, now, arrival_from_stamp(rx_[i].arrival_realtime_ns, offset, now));
     if (n < rx_batch) break;
   }
   // Engines with datagrams due join the scheduler's queue; it decides the
@@ -827,6 +947,7 @@ HostCounters EngineHost::counters_locked() const {
   c.send_errors = send_errors_;
   c.receive_calls = receive_calls_;
   c.coalesced = coalesced_;
+  c.placed = placed_, c.placement_misses = placement_misses_;
   c.migrations = migrations_, c.path_challenges = path_challenges_, c.migrations_rejected = migrations_rejected_;
   c.migration_dropped = migration_dropped_, c.rebinds = rebinds_, c.last_move_ns = last_move_ns_;
   if (filter_) c.faults = filter_->counters();

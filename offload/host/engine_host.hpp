@@ -146,6 +146,18 @@ class EngineHost final : public Host {
   // reported an address change: if our address is gone, rebind to the one
   // the kernel now sends from toward a peer.
   void follow_address_locked(uint64_t now);
+  // Each segment of a received datagram from byte `from` on, to its engine.
+  void deliver_datagram(const Datagram& d, uint32_t from, uint64_t now, uint64_t arrival);
+  // A datagram from e's peer reached it (the peer knows where we are).
+  void heard_from(Engine& e, const uint8_t* data, uint64_t arrival);
+  // Direct placement (see engine_host.cpp): after e took a packet, whether
+  // its WRITE's next packets are expected here; one datagram received into
+  // place (none: the socket was empty; gave_up: nothing expected any more).
+  void note_expectation(Engine& e);
+  enum class Placed { none, one, gave_up };
+  Placed receive_into_place(uint64_t now);
+  static constexpr uint32_t max_placed_segments = 5;  // 3 iovecs each, within UdpSocket::max_scatter
+  static_assert(3 * max_placed_segments <= uint32_t(UdpSocket::max_scatter));
   // Reads the kernel's address notifications (rate-limited by `now`, the
   // round's clock: no clock read of its own); true if any came.
   bool address_changes(uint64_t now);
@@ -190,6 +202,11 @@ class EngineHost final : public Host {
   std::atomic<bool> running_{false};
   std::atomic<bool> adaptive_wait_{false};  // options_.adaptive_wait, changeable while the thread runs
   uint64_t malformed_ = 0, unknown_qp_ = 0, send_errors_ = 0, receive_calls_ = 0, coalesced_ = 0;
+  uint64_t placed_ = 0, placement_misses_ = 0;
+  Engine* expecting_ = nullptr;  // direct placement: whose WRITE the next datagrams likely continue
+  uint8_t placed_headers_[max_placed_segments][offload::stellar_write_header_bytes];
+  uint8_t placed_trailers_[max_placed_segments][4];
+  uint8_t* placed_at_[max_placed_segments] = {};
   uint64_t migrations_ = 0, path_challenges_ = 0, migrations_rejected_ = 0, migration_dropped_ = 0, rebinds_ = 0;
   // A copy of socket_.local() for readers without the lock (the socket
   // changes it only under the lock, when the host moves).

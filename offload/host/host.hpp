@@ -52,6 +52,9 @@ struct HostOptions {
   // kernel reports an address change), rebind to the address the kernel now
   // sends from toward the peers (docs/multipath.md, "Address change").
   bool follow_address = true;
+  // stellar mode: receive a streaming WRITE's payload into its place
+  // (EngineHost, "direct placement"; docs/wire-format.md).
+  bool rx_placement = true;
   // The rate (bytes/s) the flow scheduler shapes transmissions to; 0: none
   // (docs/scheduler.md).
   uint64_t tx_rate_bytes_per_s = 0;
@@ -69,6 +72,10 @@ struct HostCounters {
   uint64_t malformed = 0;           // too short for a destination
   uint64_t unknown_qp = 0;          // no engine at (pkey, QPN), or not from its peer
   uint64_t send_errors = 0, receive_calls = 0, coalesced = 0;
+  // Direct placement: packets whose payload the kernel wrote straight into
+  // registered memory, and datagrams that turned out not to be the packets
+  // expected (put back together in a receive buffer and taken from there).
+  uint64_t placed = 0, placement_misses = 0;
   FaultCounters faults;
   // Address change (stellar mode, docs/multipath.md): peers' moves validated
   // (a challenge echoed from the new address), challenges sent, validations

@@ -184,26 +184,7 @@ int UdpSocket::receive_batch(Datagram* batch, int count) {
   }
   uint32_t datagrams = 0;  // GRO may pack many datagrams into one message
   for (int i = 0; i < n; ++i) {
-    msghdr& h = rx_messages_[size_t(i)].msg_hdr;
-    // A datagram larger than the buffer is truncated: report it as such so
-    // the decoder drops it (MSG_TRUNC).
-    batch[i].length = (h.msg_flags & MSG_TRUNC) ? 0 : rx_messages_[size_t(i)].msg_len;
-    batch[i].segment_size = 0;
-    batch[i].arrival_realtime_ns = 0;
-    batch[i].congestion_mark = false;
-    for (cmsghdr* c = h.msg_controllen ? CMSG_FIRSTHDR(&h) : nullptr; c; c = CMSG_NXTHDR(&h, c)) {
-      if (c->cmsg_level == IPPROTO_UDP && c->cmsg_type == UDP_GRO) {
-        int size = 0;
-        std::memcpy(&size, CMSG_DATA(c), sizeof size);
-        batch[i].segment_size = uint32_t(size);
-      } else if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_TIMESTAMPNS) {
-        timespec t;
-        std::memcpy(&t, CMSG_DATA(c), sizeof t);
-        batch[i].arrival_realtime_ns = uint64_t(t.tv_sec) * 1'000'000'000u + uint64_t(t.tv_nsec);
-      } else if (c->cmsg_level == IPPROTO_IP && c->cmsg_type == IP_TOS) {
-        batch[i].congestion_mark = (*CMSG_DATA(c) & 0x03) == 0x03;  // CE
-      }
-    }
+    finish_received(rx_messages_[size_t(i)].msg_hdr, rx_messages_[size_t(i)].msg_len, batch[i]);
     datagrams += batch[i].segment_size ? (batch[i].length + batch[i].segment_size - 1) / batch[i].segment_size : 1;
   }
   sparse_ = datagrams <= 1 && !sparse_ ? true : datagrams == 0;
@@ -214,6 +195,48 @@ int UdpSocket::receive_batch(Datagram* batch, int count) {
     set_gro(false);  // thousands of lone datagrams in a row: latency matters more
   }
   return n;
+}
+
+void UdpSocket::finish_received(const msghdr& h, unsigned length, Datagram& d) {
+  // A datagram larger than the buffer is truncated: report it as such so
+  // the decoder drops it (MSG_TRUNC).
+  d.length = (h.msg_flags & MSG_TRUNC) ? 0 : length;
+  d.segment_size = 0;
+  d.arrival_realtime_ns = 0;
+  d.congestion_mark = false;
+  msghdr& m = const_cast<msghdr&>(h);  // CMSG_NXTHDR takes a non-const header
+  for (cmsghdr* c = m.msg_controllen ? CMSG_FIRSTHDR(&m) : nullptr; c; c = CMSG_NXTHDR(&m, c)) {
+    if (c->cmsg_level == IPPROTO_UDP && c->cmsg_type == UDP_GRO) {
+      int size = 0;
+      std::memcpy(&size, CMSG_DATA(c), sizeof size);
+      d.segment_size = uint32_t(size);
+    } else if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_TIMESTAMPNS) {
+      timespec t;
+      std::memcpy(&t, CMSG_DATA(c), sizeof t);
+      d.arrival_realtime_ns = uint64_t(t.tv_sec) * 1'000'000'000u + uint64_t(t.tv_nsec);
+    } else if (c->cmsg_level == IPPROTO_IP && c->cmsg_type == IP_TOS) {
+      d.congestion_mark = (*CMSG_DATA(c) & 0x03) == 0x03;  // CE
+    }
+  }
+}
+
+bool UdpSocket::receive_scattered(Datagram& d, const iovec* parts, int count, uint32_t parts_bytes) {
+  iovec v[max_scatter + 1];
+  if (count < 0 || count > max_scatter || parts_bytes > d.capacity) return false;
+  std::copy(parts, parts + count, v);
+  v[count] = {d.data + parts_bytes, d.capacity - parts_bytes};
+  msghdr h{};
+  h.msg_name = &d.peer;
+  h.msg_namelen = sizeof(sockaddr_in);
+  h.msg_iov = v;
+  h.msg_iovlen = size_t(count) + 1;
+  alignas(cmsghdr) char control[control_bytes];
+  h.msg_control = control;
+  h.msg_controllen = sizeof control;
+  const ssize_t r = ::recvmsg(fd_, &h, MSG_DONTWAIT);
+  if (r < 0) return false;
+  finish_received(h, unsigned(r), d);
+  return true;
 }
 
 namespace {

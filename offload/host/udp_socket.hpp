@@ -113,6 +113,15 @@ class UdpSocket {
   // Receives up to count datagrams without blocking; returns how many (0 when
   // none). Fills length and peer of each.
   int receive_batch(Datagram* batch, int count);
+  // Receives one datagram without blocking, its first bytes into `parts`
+  // (count iovecs of parts_bytes in all, at most max_scatter: the caller's
+  // layout, e.g. headers into a buffer and payloads into their place) and
+  // whatever is longer into d.data + parts_bytes, so that copying the parts
+  // to d.data[0, parts_bytes) makes it one contiguous datagram again. Fills
+  // d as receive_batch does (length: the whole datagram's); false when none
+  // was waiting.
+  static constexpr int max_scatter = 16;
+  bool receive_scattered(Datagram& d, const struct iovec* parts, int count, uint32_t parts_bytes);
   // Sends count datagrams (each to its peer); returns how many the kernel
   // took. Failures other than "would block" are counted by the caller.
   int send_batch(Datagram* batch, int count, int& error);
@@ -137,6 +146,8 @@ class UdpSocket {
   bool gro_supported_ = false;
   uint32_t quiet_receives_ = 0;  // lone datagrams in a row while GRO is on
   void set_gro(bool on);
+  // Length, GRO segment size, arrival stamp and ECN mark of a received message.
+  static void finish_received(const struct msghdr& h, unsigned length, Datagram& d);
 };
 
 // nullopt when `address` is not a dotted-quad IPv4 address.

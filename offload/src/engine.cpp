@@ -104,6 +104,41 @@ void QpEngine::receive(const uint8_t* data, size_t length, const IcrcAddresses& 
   receive_decoded(h, now_ns, arrival_ns, congestion_mark);
 }
 
+bool QpEngine::expected_write(ExpectedWrite& w) const {
+  const detail::Responder::LastWrite& l = s_->responder.last_write();
+  if (!s_->ctx.direct || !l.valid || l.next_offset >= l.message_length) return false;
+  w = ExpectedWrite{s_->ctx.add(l.psn, 1), l.rkey, l.message_length, l.next_offset, l.remote_addr};
+  return true;
+}
+
+uint8_t* QpEngine::placement(uint32_t psn, uint32_t rkey, uint64_t remote_addr, uint32_t message_length, uint32_t offset, uint32_t length) {
+  State& s = *s_;
+  if (s.ctx.config.mode != Mode::stellar || !s.ctx.direct || s.ctx.error || length == 0) return nullptr;
+  if (offset > message_length || length > message_length - offset || !s.responder.would_take(psn)) return nullptr;
+  uint8_t* base = s.ctx.memory.resolve(rkey, remote_addr, message_length, access_remote_write);
+  return base ? base + offset : nullptr;
+}
+
+void QpEngine::receive_placed(const uint8_t* header, size_t header_length, const uint8_t* payload, uint32_t payload_length,
+                              const uint8_t* trailer, const IcrcAddresses& addresses, uint64_t now_ns, uint64_t arrival_ns,
+                              bool congestion_mark) {
+  Header h;
+  const EngineConfig& c = s_->ctx.config;
+  if (c.mode != Mode::stellar) {
+    ++s_->ctx.counters.decode_errors;
+    return;
+  }
+  const DecodeError e = decode_placed(header, header_length, payload, payload_length, trailer,
+                                      c.loopback_unchecked ? addresses : IcrcAddresses{}, h);
+  if (e != DecodeError::none) {
+    ++s_->ctx.counters.decode_errors;
+    return;
+  }
+  if (!s_->token_accepted(h)) return;
+  s_->ctx.counters.rx_bytes += header_length + payload_length + 4;
+  receive_decoded(h, now_ns, arrival_ns, congestion_mark);
+}
+
 void QpEngine::receive_decoded(const Header& h, uint64_t now_ns, uint64_t arrival_ns, bool congestion_mark) {
   State& s = *s_;
   // Before anything else: a packet without this connection's token (stellar)

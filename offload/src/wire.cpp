@@ -279,6 +279,7 @@ constexpr size_t roce_bth = 12, roce_reth = 16, roce_aeth = 4, roce_atomic_eth =
 constexpr uint8_t stellar_flag_unchecked = 8;  // flags (byte 3) bit 3: Header::unchecked
 constexpr size_t stellar_base = 48, stellar_reth = 16, stellar_segment = 12, stellar_challenge = 8;
 constexpr uint8_t stellar_magic = 0x53;  // 'S'
+static_assert(stellar_write_header_bytes == stellar_base + stellar_reth + stellar_segment);
 // 2: the 64-bit connection token at offset 32 (base header 40 bytes).
 // 3: the path (entropy) index at offset 40, the SACK offset at 42, the echoed
 // path at 44 and 2 reserved bytes (base header 48 bytes). An older peer's
@@ -599,6 +600,12 @@ size_t encode_scattered(Mode mode, const Header& h, uint8_t* out, size_t capacit
   return header;
 }
 
+namespace {
+DecodeError stellar_header_form(const uint8_t* data, Header& h, size_t& header);
+void stellar_fields(const uint8_t* data, Header& h);
+DecodeError stellar_payload_checks(const Header& h);
+}  // namespace
+
 DecodeError decode(Mode mode, const uint8_t* data, size_t length, const IcrcAddresses& addresses, Header& h) {
   h = Header{};
   if (mode == Mode::roce) {
@@ -656,18 +663,76 @@ DecodeError decode(Mode mode, const uint8_t* data, size_t length, const IcrcAddr
   if (length < 2) return DecodeError::truncated;
   if (data[0] != stellar_magic || data[1] != stellar_version) return DecodeError::bad_version;
   if (length < stellar_base + trailer) return DecodeError::truncated;
-  h.opcode = data[2];
-  if (h.opcode > opcode::last_valid && !opcode_is_path_validation(h.opcode)) return DecodeError::bad_opcode;
-  const size_t header = stellar_header_bytes(h);
-  if (get16(data + 6) != header) return DecodeError::bad_length;
+  size_t header = 0;
+  if (const DecodeError e = stellar_header_form(data, h, header); e != DecodeError::none) return e;
   if (length < header + trailer) return DecodeError::truncated;
-  const uint8_t flags = data[3];
-  h.unchecked = flags & stellar_flag_unchecked;
+  h.unchecked = data[3] & stellar_flag_unchecked;
   // An unchecked packet from anywhere but loopback to loopback is refused
   // as if its CRC were wrong: off the host only the CRC protects the bytes.
   const uint32_t stored = get32(data + length - trailer);
   if (h.unchecked ? (!is_loopback(addresses) || stored != 0) : stored != crc32c(data, length - trailer))
     return DecodeError::bad_checksum;
+  stellar_fields(data, h);
+  h.payload = data + header;
+  h.payload_length = uint32_t(length - header - trailer);
+  return stellar_payload_checks(h);
+}
+
+DecodeError decode_placed(const uint8_t* header_bytes, size_t header_length, const uint8_t* payload, uint32_t payload_length,
+                          const uint8_t* trailer_bytes, const IcrcAddresses& addresses, Header& h) {
+  h = Header{};
+  if (header_length < 2) return DecodeError::truncated;
+  if (header_bytes[0] != stellar_magic || header_bytes[1] != stellar_version) return DecodeError::bad_version;
+  if (header_length < stellar_base) return DecodeError::truncated;
+  size_t header = 0;
+  if (const DecodeError e = stellar_header_form(header_bytes, h, header); e != DecodeError::none) return e;
+  if (header_length != header) return DecodeError::bad_length;
+  h.unchecked = header_bytes[3] & stellar_flag_unchecked;
+  const uint32_t stored = get32(trailer_bytes);
+  if (h.unchecked ? (!is_loopback(addresses) || stored != 0)
+                  : stored != ~crc32c_extend(crc32c_extend(~0u, header_bytes, header_length), payload, payload_length))
+    return DecodeError::bad_checksum;
+  stellar_fields(header_bytes, h);
+  h.payload = payload;
+  h.payload_length = payload_length;
+  return stellar_payload_checks(h);
+}
+
+bool peek_write_placement(const uint8_t* header, size_t length, WritePlacement& w) {
+  if (length < stellar_base || header[0] != stellar_magic || header[1] != stellar_version) return false;
+  Header h;
+  size_t bytes = 0;
+  if (stellar_header_form(header, h, bytes) != DecodeError::none || bytes != length || !opcode_is_write(h.opcode)) return false;
+  w.opcode = h.opcode;
+  w.pkey = get16(header + 4);
+  w.dest_qpn = get32(header + 8);
+  w.psn = get32(header + 12);
+  const uint8_t* p = header + stellar_base;
+  w.remote_addr = get64(p);
+  w.rkey = get32(p + 8);
+  w.dma_length = get32(p + 12);
+  p += stellar_reth;
+  w.message_offset = get32(p);
+  w.message_length = get32(p + 4);
+  return true;
+}
+
+namespace {
+
+// The form of a stellar header at data (at least stellar_base bytes, magic
+// and version checked): a known opcode and the header length its opcode
+// gives (header).
+DecodeError stellar_header_form(const uint8_t* data, Header& h, size_t& header) {
+  h.opcode = data[2];
+  if (h.opcode > opcode::last_valid && !opcode_is_path_validation(h.opcode)) return DecodeError::bad_opcode;
+  header = stellar_header_bytes(h);
+  if (get16(data + 6) != header) return DecodeError::bad_length;
+  return DecodeError::none;
+}
+
+// Every field of a stellar header whose form and checksum were checked.
+void stellar_fields(const uint8_t* data, Header& h) {
+  const uint8_t flags = data[3];
   h.ack_request = flags & 1;
   h.solicited = flags & 2;
   h.has_ack = flags & 4;
@@ -707,14 +772,17 @@ DecodeError decode(Mode mode, const uint8_t* data, size_t length, const IcrcAddr
   }
   if (h.opcode == opcode::atomic_acknowledge) h.atomic_original = get64(p);
   if (opcode_is_path_validation(h.opcode)) h.challenge = get64(p);
-  h.payload = data + header;
-  h.payload_length = uint32_t(length - header - trailer);
+}
+
+DecodeError stellar_payload_checks(const Header& h) {
   if (h.payload_length != 0 && !carries_payload(h.opcode)) return DecodeError::bad_length;
   if (carries_payload(h.opcode) &&
       (h.message_offset > h.message_length || h.payload_length > h.message_length - h.message_offset))
     return DecodeError::bad_length;
   return DecodeError::none;
 }
+
+}  // namespace
 
 bool peek_destination(Mode mode, const uint8_t* data, size_t length, uint16_t& pkey, uint32_t& dest_qpn) {
   if (mode == Mode::roce) {

@@ -56,6 +56,9 @@ Result<std::shared_ptr<Context>> Context::open(const ContextOptions& options) {
   auto loopback_crc = config::integer("STELLAR_LOOPBACK_CRC", 0, 1);
   if (!loopback_crc) return loopback_crc.status();
   if (*loopback_crc) effective.loopback_crc = **loopback_crc == 1;
+  auto placement = config::integer("STELLAR_RX_PLACEMENT", 0, 1);
+  if (!placement) return placement.status();
+  if (*placement) effective.rx_placement = **placement == 1;
   auto follow = config::integer("STELLAR_FOLLOW_ADDRESS", 0, 1);
   if (!follow) return follow.status();
   if (*follow) effective.follow_address = **follow == 1;

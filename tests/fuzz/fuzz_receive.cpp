@@ -97,6 +97,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   Rig rig(mode, token, loopback);
   rig.prime();
   rig.engine->receive(data + 1, size - 1, addresses, 10);
+  // The same bytes as a datagram received into place (EngineHost's direct
+  // placement): headers, payload and trailer in three pieces.
+  if (mode == Mode::stellar && size - 1 >= stellar_write_header_bytes + 4)
+    rig.engine->receive_placed(data + 1, stellar_write_header_bytes, data + 1 + stellar_write_header_bytes,
+                               uint32_t(size - 1 - stellar_write_header_bytes - 4), data + size - 4, addresses, 12);
   // The decoded form skips the checksum, reaching deeper engine states.
   if (decode(mode, data + 1, size - 1, addresses, h) != DecodeError::none && size > 8) {
     Header forged;

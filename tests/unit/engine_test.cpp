@@ -1465,3 +1465,72 @@ TEST(EngineWire, UncheckedOnlyWhileBothAddressesAreLoopback) {
   EXPECT_GT(p.a->counters().decode_errors, errors) << "refused as a bad checksum";
   EXPECT_NE(back, from_b) << "nothing of it was written";
 }
+
+// Direct placement at the engine (the host side is Loopback.Placement*):
+// after a WRITE's first packet the engine names where its next packets'
+// payloads go, and only for packets it has not taken; a packet whose
+// payload the "kernel" already put there is taken without a copy, its
+// CRC checked over the pieces; a wrong payload in a place not yet taken is
+// overwritten by the right packet; the WRITE completes byte-exact.
+TEST(EngineWire, DirectPlacementNamesOnlyPlacesOfPacketsNotYetTaken) {
+  EngineConfig base;
+  base.mtu = 1024;
+  Pair p(Mode::stellar, {}, 5, base);
+  std::vector<uint8_t> target(8 * 1024, 0);
+  const uint32_t rkey = p.memory_b.add(target.data(), target.size(), access_remote_write | access_local_write);
+  std::vector<uint8_t> source = pattern(8 * 1024, 3);
+  p.memory_a.add(source.data(), source.size(), access_local_write);
+  SendWork w = make_work(WorkOpcode::rdma_write, 1, source.data(), uint32_t(source.size()));
+  w.remote_addr = reinterpret_cast<uint64_t>(target.data());
+  w.rkey = rkey;
+  ASSERT_EQ(p.a->post_send(w, p.now), PostResult::ok);
+  std::vector<std::vector<uint8_t>> sent;  // A's datagrams, held instead of delivered
+  p.a_to_b.filter = [&](const uint8_t* d, size_t n) {
+    sent.emplace_back(d, d + n);
+    return true;
+  };
+  p.pump(*p.a, p.a_to_b);
+  ASSERT_EQ(sent.size(), 8u);
+  QpEngine& b = *p.b;
+  QpEngine::ExpectedWrite e;
+  EXPECT_FALSE(b.expected_write(e)) << "nothing taken yet";
+  b.receive(sent[0].data(), sent[0].size(), {}, p.now);
+  ASSERT_TRUE(b.expected_write(e));
+  EXPECT_EQ(e.offset, 1024u);
+  EXPECT_EQ(e.message_length, 8192u);
+  EXPECT_EQ(e.rkey, rkey);
+  EXPECT_EQ(e.remote_addr, w.remote_addr);
+  uint8_t* place = b.placement(e.psn, e.rkey, e.remote_addr, e.message_length, e.offset, 1024);
+  ASSERT_EQ(place, target.data() + 1024);
+  EXPECT_EQ(b.placement(e.psn - 1, e.rkey, e.remote_addr, e.message_length, 0, 1024), nullptr) << "taken already";
+  EXPECT_EQ(b.placement(e.psn, e.rkey + 1, e.remote_addr, e.message_length, e.offset, 1024), nullptr) << "no such key";
+  EXPECT_EQ(b.placement(e.psn, e.rkey, e.remote_addr, e.message_length, 7168, 2048), nullptr) << "past the message";
+  EXPECT_EQ(b.placement(e.psn + 100000, e.rkey, e.remote_addr, e.message_length, e.offset, 1024), nullptr) << "beyond the window";
+
+  // The kernel's part for packet 1: headers and trailer apart, payload in place.
+  constexpr size_t header = stellar_write_header_bytes;
+  ASSERT_EQ(sent[1].size(), header + 1024 + 4);
+  std::memcpy(place, sent[1].data() + header, 1024);
+  // First with one byte wrong in place: the CRC over the pieces refuses it, nothing is taken.
+  place[10] ^= 0xff;
+  const uint64_t errors = b.counters().decode_errors;
+  b.receive_placed(sent[1].data(), header, place, 1024, sent[1].data() + header + 1024, {}, p.now);
+  EXPECT_EQ(b.counters().decode_errors, errors + 1);
+  EXPECT_EQ(b.placement(e.psn, e.rkey, e.remote_addr, e.message_length, e.offset, 1024), place) << "still not taken";
+  place[10] ^= 0xff;
+  b.receive_placed(sent[1].data(), header, place, 1024, sent[1].data() + header + 1024, {}, p.now);
+  EXPECT_EQ(b.counters().decode_errors, errors + 1);
+  EXPECT_EQ(b.placement(e.psn, e.rkey, e.remote_addr, e.message_length, e.offset, 1024), nullptr) << "taken";
+  ASSERT_TRUE(b.expected_write(e));
+  EXPECT_EQ(e.offset, 2048u);
+
+  // Another datagram's payload lands where packet 2's goes (a misprediction):
+  // harmless, packet 2 itself overwrites it.
+  std::memcpy(target.data() + 2048, sent[5].data() + header, 1024);
+  for (size_t i = 2; i < sent.size(); ++i) b.receive(sent[i].data(), sent[i].size(), {}, p.now);
+  EXPECT_EQ(target, source);
+  EXPECT_FALSE(b.expected_write(e)) << "the message is whole";
+  p.a_to_b.filter = nullptr;
+  ASSERT_TRUE(p.run([&] { return p.cq_a.sends.size() == 1; }));
+  EXPECT_EQ(p.cq_a.sends[0].status, CompletionStatus::success);
+}

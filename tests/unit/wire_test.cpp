@@ -1,6 +1,7 @@
 // Wire codecs: every opcode round-trips in both modes; truncation, bad
 // opcodes and flipped bits are detected.
 #include <gtest/gtest.h>
+#include <arpa/inet.h>
 #include <zlib.h>
 
 #include <cstring>
@@ -449,3 +450,73 @@ TEST(StellarWire, CongestionMarkCountSitsAtOffset46) {
   EXPECT_EQ(d.echo_path, 7);
 }
 }  // namespace
+
+// Direct placement receives a WRITE packet in three places (headers, the
+// payload in registered memory, the trailer): decode_placed must check and
+// read it exactly as decode reads the contiguous datagram, and
+// peek_write_placement must read where its payload belongs.
+TEST(StellarWire, APacketReceivedInPiecesDecodesAsTheWholeDoes) {
+  using namespace stellar::offload;
+  Header h;
+  h.opcode = opcode::write_middle;
+  h.psn = 0xfffffffe;  // wraps: stellar PSNs are 32 bits
+  h.dest_qpn = 0x123456;
+  h.pkey = 0x8001;
+  h.token = 0x0123456789abcdefull;
+  h.remote_addr = 0x7f0012345000ull;
+  h.rkey = 0xabcd;
+  h.message_length = h.dma_length = 3 * 4096;
+  h.message_offset = 4096;
+  h.payload_length = 4096;
+  h.has_ack = true;
+  h.ack_psn = 77;
+  std::vector<uint8_t> buf(8192);
+  const size_t header = payload_offset(Mode::stellar, h);
+  ASSERT_EQ(header, stellar_write_header_bytes);
+  for (uint32_t i = 0; i < h.payload_length; ++i) buf[header + i] = uint8_t(i * 7 + 3);
+  const size_t n = encode(Mode::stellar, h, buf.data(), buf.size(), {});
+  ASSERT_EQ(n, header + 4096 + 4);
+  Header whole, pieces;
+  ASSERT_EQ(decode(Mode::stellar, buf.data(), n, {}, whole), DecodeError::none);
+  const std::vector<uint8_t> placed(buf.begin() + long(header), buf.begin() + long(header) + 4096);  // "registered memory"
+  ASSERT_EQ(decode_placed(buf.data(), header, placed.data(), 4096, buf.data() + n - 4, {}, pieces), DecodeError::none);
+  EXPECT_EQ(pieces.payload, placed.data());
+  EXPECT_EQ(pieces.payload_length, whole.payload_length);
+  EXPECT_EQ(pieces.psn, whole.psn);
+  EXPECT_EQ(pieces.token, whole.token);
+  EXPECT_EQ(pieces.remote_addr, whole.remote_addr);
+  EXPECT_EQ(pieces.message_offset, whole.message_offset);
+  EXPECT_EQ(pieces.ack_psn, whole.ack_psn);
+  EXPECT_TRUE(pieces.has_ack);
+
+  WritePlacement p;
+  ASSERT_TRUE(peek_write_placement(buf.data(), header, p));
+  EXPECT_EQ(p.opcode, opcode::write_middle);
+  EXPECT_EQ(p.psn, h.psn);
+  EXPECT_EQ(p.dest_qpn, h.dest_qpn);
+  EXPECT_EQ(p.pkey, h.pkey);
+  EXPECT_EQ(p.rkey, h.rkey);
+  EXPECT_EQ(p.remote_addr, h.remote_addr);
+  EXPECT_EQ(p.message_offset, h.message_offset);
+  EXPECT_EQ(p.message_length, h.message_length);
+  EXPECT_FALSE(peek_write_placement(buf.data(), header - 1, p)) << "not exactly the headers";
+  EXPECT_FALSE(peek_write_placement(buf.data(), header + 4, p));
+
+  // The CRC covers the payload where it landed: one changed byte there, or
+  // a payload shorter than the headers say, is refused.
+  std::vector<uint8_t> changed = placed;
+  changed[1000] ^= 1;
+  EXPECT_EQ(decode_placed(buf.data(), header, changed.data(), 4096, buf.data() + n - 4, {}, pieces), DecodeError::bad_checksum);
+  EXPECT_EQ(decode_placed(buf.data(), header - 4, placed.data(), 4096, buf.data() + n - 4, {}, pieces), DecodeError::bad_length);
+  EXPECT_NE(decode_placed(buf.data(), header, placed.data(), 4000, buf.data() + n - 4, {}, pieces), DecodeError::none);
+
+  // Unchecked (between loopback addresses): taken only from loopback, with a zero trailer.
+  const uint32_t lo = htonl(INADDR_LOOPBACK);
+  const IcrcAddresses loopback{lo, lo, 40000, 40001};
+  h.unchecked = true;
+  ASSERT_EQ(encode(Mode::stellar, h, buf.data(), buf.size(), loopback), n);
+  EXPECT_EQ(decode_placed(buf.data(), header, placed.data(), 4096, buf.data() + n - 4, loopback, pieces), DecodeError::none);
+  EXPECT_EQ(decode_placed(buf.data(), header, placed.data(), 4096, buf.data() + n - 4, {}, pieces), DecodeError::bad_checksum);
+  const uint8_t nonzero[4] = {1, 0, 0, 0};
+  EXPECT_EQ(decode_placed(buf.data(), header, placed.data(), 4096, nonzero, loopback, pieces), DecodeError::bad_checksum);
+}

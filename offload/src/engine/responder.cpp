@@ -106,6 +106,14 @@ ReceiveWqe* Responder::receive_for(uint32_t sequence) {
   return &rq_[(rq_head_ + uint32_t(ahead)) % ctx_.config.max_recv_wr];
 }
 
+bool Responder::would_take(uint32_t psn) const {
+  if (ctx_.config.mode != Mode::stellar) return false;
+  const int32_t d = diff(psn, epsn_);
+  if (d < 0 || d >= int32_t(ctx_.config.window_packets)) return false;
+  if (failed_ && diff(psn, failed_psn_) >= 0) return false;
+  return !received_[psn & ctx_.window_mask];
+}
+
 void Responder::on_request(const Header& h, uint64_t now) {
   const int32_t d = diff(h.psn, epsn_);
   const int32_t window = int32_t(ctx_.config.window_packets);
@@ -460,6 +468,8 @@ Responder::Outcome Responder::apply_write(const Header& h) {
     nak(h.psn, syndrome::nak_remote_access);
     return Outcome::nak;
   }
+  if (ctx_.config.mode == Mode::stellar)
+    last_write_ = LastWrite{true, h.psn, h.rkey, total, uint32_t(offset + h.payload_length), h.remote_addr};
   if (ctx_.config.mode == Mode::roce) {
     roce_write_offset_ = uint32_t(offset + h.payload_length);
     roce_in_write_ = !opcode_is_last(op);

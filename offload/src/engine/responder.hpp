@@ -36,6 +36,19 @@ class Responder {
   void note_request_arrival(uint64_t arrival) { latest_request_arrival_ = arrival; }
   // A request addressed to this QP (already checked: token, partition, QPN).
   void on_request(const Header& h, uint64_t now);
+  // Stellar mode: a request at `psn` arriving now would be new, not a
+  // duplicate, inside the window, and not refused (no fatal NAK at or
+  // before it): what direct placement needs before letting the kernel write
+  // that packet's payload into its place (QpEngine::placement).
+  bool would_take(uint32_t psn) const;
+  // Stellar mode: the WRITE this responder last took a packet of, and where
+  // its next packet's payload starts (QpEngine::expected_write).
+  struct LastWrite {
+    bool valid = false;
+    uint32_t psn = 0, rkey = 0, message_length = 0, next_offset = 0;
+    uint64_t remote_addr = 0;
+  };
+  const LastWrite& last_write() const { return last_write_; }
 
   // ---- this side's acknowledgement (stellar: on every packet) ----
 
@@ -119,6 +132,7 @@ class Responder {
   uint32_t rq_head_ = 0, rq_count_ = 0;
   uint32_t rq_head_sequence_ = 0;  // receive sequence of rq[rq_head]
   uint32_t epsn_ = 0;              // every PSN before this one has arrived
+  LastWrite last_write_;
   std::vector<uint8_t> received_;  // stellar: arrival marks for [epsn, epsn + window)
   uint32_t received_end_ = 0;      // one past the highest PSN marked
   uint32_t sack_cursor_ = 0;       // stellar: the lowest PSN that arrived and no SACK reported yet (about)

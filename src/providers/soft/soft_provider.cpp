@@ -293,6 +293,7 @@ class SoftContext final : public Context, public host::HostClient {
     h.mtu = options_.mtu;
     h.paths = options_.mode == Mode::roce ? 1 : options_.paths;
     h.follow_address = options_.follow_address;
+    h.rx_placement = options_.rx_placement;
     h.faults = host::FaultOptions{options_.faults.drop, options_.faults.duplicate, options_.faults.reorder, options_.faults.seed};
     h.engine_thread = options_.progress == ProgressMode::thread;
     h.adaptive_wait = options_.wait == WaitPolicy::adaptive;
@@ -1285,6 +1286,7 @@ ContextCounters SoftContext::counters() const {
   c.send_errors = h.send_errors;
   c.rx_receive_calls = h.receive_calls;
   c.rx_coalesced = h.coalesced;
+  c.rx_placed = h.placed, c.rx_placement_misses = h.placement_misses;
   c.engine_cpu_ns = h.engine_cpu_ns;
   c.daemon_refused_entries = h.refused_entries;
   c.spurious_retransmits = sum.spurious_retransmits;

@@ -324,6 +324,37 @@ class QpEngine {
   // The same for an already decoded packet (tests, fuzzing).
   void receive_decoded(const Header&, uint64_t now_ns, uint64_t arrival_ns = 0, bool congestion_mark = false);
 
+  // Direct placement (stellar mode; docs/wire-format.md, "Receiving into
+  // place"): a host that knows which WRITE packet it expects next may have
+  // the kernel write that packet's payload straight into registered memory
+  // instead of a receive buffer, saving a copy. placement() says where the
+  // payload of the packet at `psn` of the WRITE message (rkey, remote_addr,
+  // message_length) at [offset, offset + length) would go: a pointer the
+  // kernel may write those bytes to now, whatever the datagram that comes
+  // turns out to be, because that packet has not arrived, so nothing there
+  // is final yet (the WRITE's target is undefined until it completes).
+  // nullptr where that does not hold: the packet would be a duplicate, out
+  // of the window or refused; the range is not this QP's remote-writable
+  // memory; or memory is not addressable here (MemoryAccess::direct()).
+  // Valid until the caller releases the lock the engine runs under.
+  // The WRITE message this QP last took a packet of, while packets of it
+  // remain: the next one's PSN and payload offset, and the message's key,
+  // address and length, for the host to ask placement() about the packets
+  // from there on. Only packets that passed every check (the token
+  // included) set it. false when there is none, or that message is whole.
+  struct ExpectedWrite {
+    uint32_t psn = 0, rkey = 0, message_length = 0, offset = 0;
+    uint64_t remote_addr = 0;
+  };
+  bool expected_write(ExpectedWrite&) const;
+  uint8_t* placement(uint32_t psn, uint32_t rkey, uint64_t remote_addr, uint32_t message_length, uint32_t offset, uint32_t length);
+  // A datagram received in pieces (decode_placed): checked and taken like
+  // receive(); a WRITE whose payload already sits where it belongs is not
+  // copied again.
+  void receive_placed(const uint8_t* header, size_t header_length, const uint8_t* payload, uint32_t payload_length,
+                      const uint8_t* trailer, const IcrcAddresses& addresses, uint64_t now_ns, uint64_t arrival_ns = 0,
+                      bool congestion_mark = false);
+
   // Fills up to `count` buffers with datagrams due now (responses, retransmits,
   // new data, ACKs, in that order) and returns how many. It may return fewer
   // than `count` while more is due (roce: at most max_response_burst

@@ -205,6 +205,30 @@ size_t encode_scattered(Mode, const Header& h, uint8_t* out, size_t capacity, co
 // data) and returns DecodeError::none.
 DecodeError decode(Mode, const uint8_t* data, size_t length, const IcrcAddresses& addresses, Header& h);
 
+// Stellar mode, a datagram the socket put in three places (direct placement:
+// offload/host, EngineHost): its headers (exactly header_length bytes),
+// its payload (where the kernel wrote it: registered memory) and its 4-byte
+// trailer. The same checks as decode(), the CRC-32C over header and payload.
+// On success h.payload points at `payload`.
+DecodeError decode_placed(const uint8_t* header, size_t header_length, const uint8_t* payload, uint32_t payload_length,
+                          const uint8_t* trailer, const IcrcAddresses& addresses, Header& h);
+
+// Stellar mode: where the payload of the WRITE packet whose headers are
+// `header` (exactly `length` bytes) belongs, read without verifying
+// anything (not the CRC, which covers the payload, nor the token): for
+// comparing a packet with the one a host expected. false when these are
+// not exactly the headers of a stellar WRITE packet.
+// The headers of a stellar-mode WRITE packet without an immediate (first,
+// middle, last, only): base header, RETH and segment fields.
+inline constexpr size_t stellar_write_header_bytes = 76;
+struct WritePlacement {
+  uint8_t opcode = 0;
+  uint16_t pkey = 0;
+  uint32_t dest_qpn = 0, psn = 0, rkey = 0, dma_length = 0, message_offset = 0, message_length = 0;
+  uint64_t remote_addr = 0;
+};
+bool peek_write_placement(const uint8_t* header, size_t length, WritePlacement&);
+
 // Reads only the demultiplexing fields (pkey, destination QPN) without
 // verifying anything else (not even the stellar token: the engine checks
 // it); false when the datagram is too short.
