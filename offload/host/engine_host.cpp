@@ -452,7 +452,7 @@ void EngineHost::deliver_datagram(const Datagram& d, uint32_t from_byte, uint64_
     }
     heard_from(e, data, arrival);
     e.engine.receive(data, length, e.rx_addresses, now, arrival, d.congestion_mark);
-    note_expectation(e);
+    if (options_.mode == off::Mode::stellar && off::opcode_is_write(data[2])) note_expectation(e);
   }
 }
 
@@ -500,13 +500,22 @@ EngineHost::Placed EngineHost::receive_into_place(uint64_t now) {
   }
   // Only middle packets (a full MTU, no immediate: a fixed header): the
   // message's last one may carry an immediate, and goes through d.data.
+  // The engine resolves the first place (the message's whole range, once
+  // per receive); the later ones are that place plus whole MTUs, each for
+  // a packet the engine still awaits.
   uint32_t expected = 0;
   iovec parts[UdpSocket::max_scatter];
+  uint8_t* first = nullptr;
   while (expected < max_placed_segments && (expected + 1) * segment <= d.capacity) {
-    const uint32_t offset = w.offset + expected * mtu;
-    if (uint64_t(offset) + mtu >= w.message_length) break;
-    uint8_t* place = e.engine.placement(w.psn + expected, w.rkey, w.remote_addr, w.message_length, offset, mtu);
-    if (!place) break;
+    const uint64_t offset = uint64_t(w.offset) + uint64_t(expected) * mtu;
+    if (offset + mtu >= w.message_length) break;
+    if (expected == 0) {
+      first = e.engine.placement(w.psn, w.rkey, w.remote_addr, w.message_length, w.offset, mtu);
+      if (!first) break;
+    } else if (!e.engine.awaiting(w.psn + expected)) {
+      break;
+    }
+    uint8_t* place = first + uint64_t(expected) * mtu;
     placed_at_[expected] = place;
     parts[3 * expected] = {placed_headers_[expected], header};
     parts[3 * expected + 1] = {place, mtu};
@@ -536,8 +545,12 @@ EngineHost::Placed EngineHost::receive_into_place(uint64_t now) {
   }
   if (!as_expected) {
     // Something else came (an acknowledgement, another message, another
-    // QP's packet, a duplicate): put it back together in d.data, as a
-    // receive into it would have left it, and take it from there.
+    // QP's or tenant's packet, a duplicate, a forgery): put it back together
+    // in d.data, as a receive into it would have left it, and take it from
+    // there. What it left in the places is zeroed first: they await their
+    // own packets, but another connection's bytes must not stay in this
+    // application's memory if those never come. Batches again from here:
+    // the next WRITE packet taken starts the next expectation.
     ++placement_misses_;
     uint32_t at = 0;
     for (uint32_t k = 0; k < expected && at < d.length; ++k)
@@ -545,8 +558,10 @@ EngineHost::Placed EngineHost::receive_into_place(uint64_t now) {
         const iovec& v = parts[3 * k + uint32_t(j)];
         const uint32_t n = std::min<uint32_t>(uint32_t(v.iov_len), d.length - at);
         std::memcpy(d.data + at, v.iov_base, n);
+        if (j == 1) std::memset(v.iov_base, 0, n);
         at += n;
       }
+    expecting_ = nullptr;
     deliver_datagram(d, 0, now, arrival);
     return Placed::one;
   }
@@ -555,7 +570,10 @@ EngineHost::Placed EngineHost::receive_into_place(uint64_t now) {
   for (uint32_t k = 0; k < came; ++k) {
     e.engine.receive_placed(placed_headers_[k], header, placed_at_[k], mtu, placed_trailers_[k], e.rx_addresses, now, arrival,
                             d.congestion_mark);
-    ++placed_;
+    // Refused (a bad CRC, a wrong token: not this connection's bytes):
+    // still awaited, and zeroed as after a miss.
+    if (e.engine.awaiting(w.psn + k)) std::memset(placed_at_[k], 0, mtu);
+    else ++placed_;
   }
   note_expectation(e);
   // Segments beyond the expected ones (the message's last packet, or more

@@ -114,10 +114,15 @@ bool QpEngine::expected_write(ExpectedWrite& w) const {
 uint8_t* QpEngine::placement(uint32_t psn, uint32_t rkey, uint64_t remote_addr, uint32_t message_length, uint32_t offset, uint32_t length) {
   State& s = *s_;
   if (s.ctx.config.mode != Mode::stellar || !s.ctx.direct || s.ctx.error || length == 0) return nullptr;
-  if (offset > message_length || length > message_length - offset || !s.responder.would_take(psn)) return nullptr;
+  // An honest requester never sends a message longer than 2^31 bytes
+  // (check_send_work); a longer claim gets no place.
+  if (message_length > (1u << 31) || offset > message_length || length > message_length - offset || !s.responder.would_take(psn))
+    return nullptr;
   uint8_t* base = s.ctx.memory.resolve(rkey, remote_addr, message_length, access_remote_write);
   return base ? base + offset : nullptr;
 }
+
+bool QpEngine::awaiting(uint32_t psn) const { return !s_->ctx.error && s_->responder.would_take(psn); }
 
 void QpEngine::receive_placed(const uint8_t* header, size_t header_length, const uint8_t* payload, uint32_t payload_length,
                               const uint8_t* trailer, const IcrcAddresses& addresses, uint64_t now_ns, uint64_t arrival_ns,

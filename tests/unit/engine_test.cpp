@@ -1523,6 +1523,12 @@ TEST(EngineWire, DirectPlacementNamesOnlyPlacesOfPacketsNotYetTaken) {
   EXPECT_EQ(b.placement(e.psn, e.rkey, e.remote_addr, e.message_length, e.offset, 1024), nullptr) << "taken";
   ASSERT_TRUE(b.expected_write(e));
   EXPECT_EQ(e.offset, 2048u);
+  // Packet 3 ahead of 2 (another path): 2 is still awaited, 3 no more.
+  b.receive(sent[3].data(), sent[3].size(), {}, p.now);
+  EXPECT_TRUE(b.awaiting(e.psn));
+  EXPECT_FALSE(b.awaiting(e.psn + 1)) << "taken out of order";
+  // A claim longer than any honest message (2^31 bytes) gets no place.
+  EXPECT_EQ(b.placement(e.psn, e.rkey, e.remote_addr, 0x80001000u, e.offset, 1024), nullptr);
 
   // Another datagram's payload lands where packet 2's goes (a misprediction):
   // harmless, packet 2 itself overwrites it.

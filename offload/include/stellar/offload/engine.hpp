@@ -348,6 +348,9 @@ class QpEngine {
   };
   bool expected_write(ExpectedWrite&) const;
   uint8_t* placement(uint32_t psn, uint32_t rkey, uint64_t remote_addr, uint32_t message_length, uint32_t offset, uint32_t length);
+  // Whether the packet at `psn` would still be taken as new (the first
+  // condition of placement(), without its memory lookup).
+  bool awaiting(uint32_t psn) const;
   // A datagram received in pieces (decode_placed): checked and taken like
   // receive(); a WRITE whose payload already sits where it belongs is not
   // copied again.
