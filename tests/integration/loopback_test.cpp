@@ -592,6 +592,19 @@ TEST_P(Loopback, DestroyingAQpAcknowledgesWhatItReceived) {
 // endpoint says whether it takes unchecked packets, and with one side
 // keeping the CRC (ContextOptions::loopback_crc) both directions carry it.
 // Either way WRITEs both ways land byte-exact.
+// An RDMA WRITE of from[at, at + n) (n 0: all of it from `at`), registered
+// as smr, to the same offset of tmr.
+Status post_write(QueuePair& qp, const std::vector<uint8_t>& from, MemoryRegion& smr, MemoryRegion& tmr, size_t at = 0, size_t n = 0) {
+  if (n == 0) n = from.size() - at;
+  Sge s{reinterpret_cast<uint64_t>(from.data() + at), uint32_t(n), smr.lkey()};
+  SendWr wr;
+  wr.opcode = WrOpcode::rdma_write;
+  wr.sg_list = {&s, 1};
+  wr.remote_addr = tmr.addr() + at;
+  wr.rkey = tmr.rkey();
+  return qp.post_send(wr);
+}
+
 // Datagrams on `lo` as the kernel carries them (AF_PACKET, root only): per
 // UDP destination port, how many stellar-mode packets had the "unchecked"
 // flag (docs/wire-format.md, "The CRC on loopback": flags byte 3, bit 3)
@@ -652,17 +665,8 @@ TEST_P(Loopback, LoopbackCrcIsLeftOutOnlyWhereBothAgree) {
     auto tmr_b = c.pd_b->register_memory(at_b.data(), at_b.size(), access_local_write | access_remote_write).value();
     auto smr_a = c.pd_a->register_memory(const_cast<uint8_t*>(from_a.data()), from_a.size(), access_local_write).value();
     auto smr_b = c.pd_b->register_memory(const_cast<uint8_t*>(from_b.data()), from_b.size(), access_local_write).value();
-    auto write = [](QueuePair& qp, const std::vector<uint8_t>& from, MemoryRegion& smr, MemoryRegion& tmr) {
-      Sge s{reinterpret_cast<uint64_t>(from.data()), uint32_t(from.size()), smr.lkey()};
-      SendWr wr;
-      wr.opcode = WrOpcode::rdma_write;
-      wr.sg_list = {&s, 1};
-      wr.remote_addr = tmr.addr();
-      wr.rkey = tmr.rkey();
-      return qp.post_send(wr);
-    };
-    ASSERT_TRUE(write(*c.qp_a, from_a, *smr_a, *tmr_b).ok());
-    ASSERT_TRUE(write(*c.qp_b, from_b, *smr_b, *tmr_a).ok());
+    ASSERT_TRUE(post_write(*c.qp_a, from_a, *smr_a, *tmr_b).ok());
+    ASSERT_TRUE(post_write(*c.qp_b, from_b, *smr_b, *tmr_a).ok());
     std::vector<WorkCompletion> done;
     WorkCompletion wc[4];
     const auto deadline = std::chrono::steady_clock::now() + 10s;
@@ -717,21 +721,12 @@ TEST(Placement, AWriteStreamIsReceivedStraightIntoPlace) {
     auto tmr_b = c.pd_b->register_memory(at_b.data(), bytes, access_local_write | access_remote_write).value();
     auto smr_a = c.pd_a->register_memory(from_a.data(), bytes, access_local_write).value();
     auto smr_b = c.pd_b->register_memory(from_b.data(), bytes, access_local_write).value();
-    auto write = [](QueuePair& qp, std::vector<uint8_t>& from, MemoryRegion& smr, MemoryRegion& tmr) {
-      Sge s{reinterpret_cast<uint64_t>(from.data()), uint32_t(from.size()), smr.lkey()};
-      SendWr wr;
-      wr.opcode = WrOpcode::rdma_write;
-      wr.sg_list = {&s, 1};
-      wr.remote_addr = tmr.addr();
-      wr.rkey = tmr.rkey();
-      return qp.post_send(wr);
-    };
     for (uint32_t round = 0; round < 4; ++round) {
       const std::vector<uint8_t> next_a = pattern(bytes, 100 + round), next_b = pattern(bytes, 200 + round);
       std::copy(next_a.begin(), next_a.end(), from_a.begin());  // in the registered buffers
       std::copy(next_b.begin(), next_b.end(), from_b.begin());
-      ASSERT_TRUE(write(*c.qp_a, from_a, *smr_a, *tmr_b).ok());
-      ASSERT_TRUE(write(*c.qp_b, from_b, *smr_b, *tmr_a).ok());
+      ASSERT_TRUE(post_write(*c.qp_a, from_a, *smr_a, *tmr_b).ok());
+      ASSERT_TRUE(post_write(*c.qp_b, from_b, *smr_b, *tmr_a).ok());
       std::vector<WorkCompletion> done;
       WorkCompletion wc[4];
       const auto deadline = std::chrono::steady_clock::now() + 30s;
@@ -795,21 +790,12 @@ TEST(Placement, TwoInterleavedStreamsIntoOneSocketLandIntact) {
   auto t2 = c.pd_b->register_memory(at2.data(), bytes, access_local_write | access_remote_write).value();
   auto s1 = c.pd_a->register_memory(from1.data(), bytes, access_local_write).value();
   auto s2 = c.pd_a->register_memory(from2.data(), bytes, access_local_write).value();
-  auto write = [](QueuePair& qp, std::vector<uint8_t>& from, MemoryRegion& smr, MemoryRegion& tmr, size_t at, size_t n) {
-    Sge s{reinterpret_cast<uint64_t>(from.data() + at), uint32_t(n), smr.lkey()};
-    SendWr wr;
-    wr.opcode = WrOpcode::rdma_write;
-    wr.sg_list = {&s, 1};
-    wr.remote_addr = tmr.addr() + at;
-    wr.rkey = tmr.rkey();
-    return qp.post_send(wr);
-  };
   // 256 KiB WRITEs, alternating between the two connections.
   constexpr size_t piece = 256 << 10;
   size_t posted = 0;
   for (size_t at = 0; at < bytes; at += piece) {
-    ASSERT_TRUE(write(*c.qp_a, from1, *s1, *t1, at, piece).ok());
-    ASSERT_TRUE(write(*qp_a2, from2, *s2, *t2, at, piece).ok());
+    ASSERT_TRUE(post_write(*c.qp_a, from1, *s1, *t1, at, piece).ok());
+    ASSERT_TRUE(post_write(*qp_a2, from2, *s2, *t2, at, piece).ok());
     posted += 2;
   }
   std::vector<WorkCompletion> done;
