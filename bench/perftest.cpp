@@ -487,7 +487,7 @@ int main(int argc, char** argv) {
   app.add_option("-t,--tx-depth", o.tx_depth, "Operations kept in flight (bandwidth)")->capture_default_str()->check(CLI::Range(1u, 4096u));
   app.add_option("-m,--mtu", o.mtu, "Payload bytes per packet (0: the largest the interface carries, as perftest's default)")
       ->capture_default_str()
-      ->check(CLI::Range(0u, 16384u));
+      ->check(CLI::Range(0u, stellar::max_mtu));
   app.add_option("--wait_client", o.wait_client, "Server: seconds to wait for the client's connections")->capture_default_str()->check(CLI::Range(1u, 86400u));
   app.add_flag("--report_gbits", o.report_gbits, "Report bandwidth in Gbit/s");
   app.add_option("--wait", o.wait, "busy (spin on the CQ, as perftest) or adaptive (spin 50 us, then sleep: for more processes than cores)");

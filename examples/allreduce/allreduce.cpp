@@ -325,7 +325,7 @@ int main(int argc, char** argv) {
   app.add_option("--timeout", o.timeout_ms, "fail a call after this long without progress (ms)");
   app.add_flag("-v,--verbose", o.verbose, "print each rank's transport counters at the end");
   app.add_option("-m,--mtu", o.mtu, "soft provider: payload bytes per packet (as perftest's -m; 0: the context's default)")
-      ->check(CLI::Range(0u, 16384u));
+      ->check(CLI::Range(0u, stellar::max_mtu));
   app.add_flag("--no-shm", o.no_shm, "ranks on this host talk over the network too (default: shared memory between them; STELLAR_COLL_SHM=0)");
   app.add_option("--wait", o.wait, "busy (spin: lowest latency, one core per rank), adaptive (spin 50 us, then sleep) or auto: "
                  "busy, or adaptive when more ranks share this host than there are CPUs (counted at bootstrap)")

@@ -24,6 +24,11 @@
 
 namespace stellar {
 
+// The largest ContextOptions::mtu: 15 pages, the largest multiple of 4096
+// whose datagram (IPv4 and UDP headers, at most 96 bytes of Stellar headers
+// and trailer) stays inside IPv4's 65535-byte limit.
+inline constexpr uint32_t max_mtu = 61440;
+
 enum class Provider { soft, verbs };
 enum class Mode { stellar, roce };  // soft provider wire protocol (docs/design.md, principle 3)
 // Where the engines (transport, congestion control, timers) run
@@ -111,13 +116,14 @@ struct ContextOptions {
   // 0.0.0.0) falls back to the first usable GID (docs/verbs-provider.md).
   std::string bind_address = "127.0.0.1";
   uint16_t udp_port = 0;                   // 0: any free port (roce mode tries 4791 first)
-  // Payload bytes per packet, [256, 16384]; 0 (the default, or
-  // STELLAR_MTU=auto): automatic. Soft provider: the largest power of two,
-  // at most 16384 in stellar mode and 4096 (RoCE's largest) in roce mode,
-  // whose datagram fits the MTU of the bound address's interface (16384 on
+  // Payload bytes per packet, [256, max_mtu]; 0 (the default, or
+  // STELLAR_MTU=auto): automatic. Soft provider, stellar mode: the largest
+  // multiple of 4096 (a power of two below 4096), at most max_mtu, whose
+  // datagram fits the MTU of the bound address's interface (61440 on
   // loopback, 8192 with 9000-byte jumbo frames, 1024 on 1500-byte
-  // Ethernet); verbs: the port's active MTU. Both sides of a QP use the
-  // smaller of their two. Context::options() reports the value chosen.
+  // Ethernet); roce mode: the same, at most 4096 (RoCE's largest); verbs:
+  // the port's active MTU. Both sides of a QP use the smaller of their
+  // two. Context::options() reports the value chosen.
   uint32_t mtu = 0;
   ProgressMode progress = ProgressMode::inline_poll;
   // ProgressMode::daemon: the daemon's Unix socket. "" = $STELLAR_ENGINED_SOCKET,

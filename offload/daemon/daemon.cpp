@@ -626,7 +626,7 @@ Reply Session::open_locked(const OpenRequest& r, std::vector<int>& fds) {
   if (!bind || bind->sin_addr.s_addr == 0) return refuse("bind address must be a concrete IPv4 address");
   if (r.udp_port != 0 && r.udp_port < 1024 && credentials_.uid != 0) return refuse("ports below 1024 are for root's contexts");
   if (r.mode > uint8_t(off::Mode::roce)) return refuse("unknown mode");
-  if (r.mtu < 256 || r.mtu > 16384) return refuse("mtu outside [256, 16384]");
+  if (r.mtu < 256 || r.mtu > off::max_payload_bytes) return refuse("mtu outside [256, 61440]");
   if (r.paths < 1 || r.paths > off::max_paths) return refuse("paths outside [1, 256]");
   for (double p : {r.drop, r.duplicate, r.reorder})
     if (!(p >= 0 && p <= 1)) return refuse("fault probabilities must be in [0, 1]");

@@ -784,6 +784,16 @@ DecodeError stellar_payload_checks(const Header& h) {
 
 }  // namespace
 
+uint32_t payload_for_link_mtu(uint32_t link_mtu, Mode mode) {
+  const uint32_t most = mode == Mode::roce ? 4096 : max_payload_bytes;
+  const uint32_t overhead = 28 + uint32_t(max_header_bytes);
+  const uint32_t room = link_mtu > overhead ? link_mtu - overhead : 0;
+  if (room >= 4096) return std::min(most, room / 4096 * 4096);
+  uint32_t payload = 2048;
+  while (payload > 256 && payload > room) payload /= 2;
+  return payload;
+}
+
 bool peek_destination(Mode mode, const uint8_t* data, size_t length, uint16_t& pkey, uint32_t& dest_qpn) {
   if (mode == Mode::roce) {
     if (length < roce_bth) return false;

@@ -141,7 +141,7 @@ Result<QpEndpoint> endpoint_from(const json& j) {
   auto port = read_unsigned(j, "udp_port", 1, 65535);
   auto qpn = read_unsigned(j, "qp_num", 1, 0xffffff);  // QPNs are 24 bits (BTH), in both modes
   auto psn = read_unsigned(j, "psn", 0, e.mode == Mode::roce ? 0xffffff : 0xffffffff);
-  auto mtu = read_unsigned(j, "mtu", 256, 16384);
+  auto mtu = read_unsigned(j, "mtu", 256, max_mtu);
   auto pkey = read_unsigned(j, "pkey", 1, 0xffff);  // 0 is no partition
   for (const Status& s : {port.status(), qpn.status(), psn.status(), mtu.status(), pkey.status()})
     if (!s.ok()) return s;

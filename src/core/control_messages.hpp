@@ -58,7 +58,7 @@ Status check_unicast_address(const std::string& address);
 
 json endpoint_json(const QpEndpoint& e);
 // Reads and range-checks an endpoint: udp_port 1..65535, qp_num 1..2^24-1,
-// psn below 2^24 in roce mode, mtu 256..16384, pkey 1..65535, mode
+// psn below 2^24 in roce mode, mtu 256..max_mtu, pkey 1..65535, mode
 // "stellar"/"roce", a unicast address (verbs endpoints may leave it empty
 // when they carry a GID), a stellar-mode token of 16 hex digits.
 Result<QpEndpoint> endpoint_from(const json& j);

@@ -68,12 +68,13 @@ Result<std::shared_ptr<Context>> Context::open(const ContextOptions& options) {
   if (auto mtu = config::text("STELLAR_MTU"); mtu && *mtu == "auto") {
     effective.mtu = 0;
   } else {
-    auto bytes = config::integer("STELLAR_MTU", 256, 16384);
+    auto bytes = config::integer("STELLAR_MTU", 256, max_mtu);
     if (!bytes) return bytes.status();
     if (*bytes) effective.mtu = uint32_t(**bytes);
   }
-  if (effective.mtu != 0 && (effective.mtu < 256 || effective.mtu > 16384))
-    return Status(Errc::invalid_argument, "mtu " + std::to_string(effective.mtu) + " outside [256, 16384] (0: automatic)");
+  if (effective.mtu != 0 && (effective.mtu < 256 || effective.mtu > max_mtu))
+    return Status(Errc::invalid_argument,
+                  "mtu " + std::to_string(effective.mtu) + " outside [256, " + std::to_string(max_mtu) + "] (0: automatic)");
   const provider::Ops* ops = provider::find(effective.provider);
   if (!ops || !ops->open) return Status(Errc::invalid_argument, "provider '" + std::string(to_string(effective.provider)) + "' is not built in");
   return ops->open(effective);

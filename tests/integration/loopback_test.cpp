@@ -1319,6 +1319,30 @@ TEST(Providers, BadFaultEnvironmentIsAnError) {
   EXPECT_DOUBLE_EQ(faults->drop, 0.25);
 }
 
+TEST(Providers, TheAutomaticMtuOnLoopbackIsTheLargestAndAnyLargerOneIsRefused) {
+  // Loopback's 65536-byte MTU: 15 pages a packet in stellar mode, RoCE's
+  // 4096 in roce mode (payload_for_link_mtu, wire_test, has the rule).
+  for (auto [mode, expected] : {std::pair{Mode::stellar, 61440u}, std::pair{Mode::roce, 4096u}}) {
+    ContextOptions o;
+    o.mode = mode;
+    auto ctx = Context::open(o);
+    ASSERT_TRUE(ctx.ok()) << ctx.status().to_string();
+    EXPECT_EQ((*ctx)->options().mtu, expected) << to_string(mode);
+  }
+  ContextOptions o;
+  o.mtu = max_mtu;
+  EXPECT_TRUE(Context::open(o).ok());
+  o.mtu = max_mtu + 1;  // its datagram could outgrow IPv4's 65535 bytes
+  auto refused = Context::open(o);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), Errc::invalid_argument);
+  setenv("STELLAR_MTU", "65536", 1);
+  auto from_environment = Context::open();
+  unsetenv("STELLAR_MTU");
+  ASSERT_FALSE(from_environment.ok());
+  EXPECT_EQ(from_environment.status().code(), Errc::invalid_argument);
+}
+
 INSTANTIATE_TEST_SUITE_P(Modes, Loopback, ::testing::Values(Mode::stellar, Mode::roce),
                          [](const auto& info) { return std::string(to_string(info.param)); });
 

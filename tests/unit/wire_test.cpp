@@ -520,3 +520,27 @@ TEST(StellarWire, APacketReceivedInPiecesDecodesAsTheWholeDoes) {
   const uint8_t nonzero[4] = {1, 0, 0, 0};
   EXPECT_EQ(decode_placed(buf.data(), header, placed.data(), 4096, nonzero, loopback, pieces), DecodeError::bad_checksum);
 }
+
+TEST(PacketSize, TheLargestPayloadALinkCarriesIsWholePagesUpTo61440) {
+  // Loopback's 65536 and IPv4's largest datagram: 15 pages, whose datagram
+  // (61440 + 96 + 28 = 61564 bytes) fits where 16 pages would not.
+  EXPECT_EQ(payload_for_link_mtu(65536, Mode::stellar), 61440u);
+  EXPECT_EQ(payload_for_link_mtu(65535, Mode::stellar), 61440u);
+  EXPECT_EQ(payload_for_link_mtu(9000, Mode::stellar), 8192u);   // jumbo frames
+  EXPECT_EQ(payload_for_link_mtu(8192 + 124, Mode::stellar), 8192u);
+  EXPECT_EQ(payload_for_link_mtu(8192 + 123, Mode::stellar), 4096u);  // one byte short
+  EXPECT_EQ(payload_for_link_mtu(4000, Mode::stellar), 2048u);   // below a page: powers of two
+  EXPECT_EQ(payload_for_link_mtu(1500, Mode::stellar), 1024u);   // Ethernet
+  EXPECT_EQ(payload_for_link_mtu(576, Mode::stellar), 256u);
+  EXPECT_EQ(payload_for_link_mtu(100, Mode::stellar), 256u) << "never below 256 (the bind reports a link that small)";
+  // roce mode: RoCE's MTUs, 4096 at most.
+  EXPECT_EQ(payload_for_link_mtu(65536, Mode::roce), 4096u);
+  EXPECT_EQ(payload_for_link_mtu(9000, Mode::roce), 4096u);
+  EXPECT_EQ(payload_for_link_mtu(1500, Mode::roce), 1024u);
+  for (uint32_t link = 300; link <= 65536; link += 97) {
+    const uint32_t p = payload_for_link_mtu(link, Mode::stellar);
+    EXPECT_TRUE(p % 4096 == 0 || (p < 4096 && (p & (p - 1)) == 0)) << link;
+    if (link >= 256 + 124) EXPECT_LE(p + 124, link) << link;
+    EXPECT_LE(p, max_payload_bytes);
+  }
+}

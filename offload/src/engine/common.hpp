@@ -164,7 +164,7 @@ inline Context::Context(const EngineConfig& c, MemoryAccess& m, CompletionSink& 
   window_mask = window - 1;
   config.max_send_wr = std::max<uint32_t>(1, config.max_send_wr);
   config.max_recv_wr = std::max<uint32_t>(1, config.max_recv_wr);
-  config.mtu = std::max<uint32_t>(256, config.mtu);
+  config.mtu = std::clamp<uint32_t>(config.mtu, 256, max_payload_bytes);  // a datagram stays under 64 KiB
   config.max_read_responses = std::max<uint32_t>(1, config.max_read_responses);
   config.paths = config.mode == Mode::roce ? 1 : std::clamp<uint16_t>(config.paths, 1, max_paths);
   // At most one 64 KiB GSO message's worth: with larger packets a burst

@@ -91,6 +91,7 @@ constexpr bool same_opcodes() {
   return true;
 }
 static_assert(same_opcodes(), "WcOpcode/WrOpcode and the engine's opcodes must list the same entries in the same order");
+static_assert(max_mtu == off::max_payload_bytes, "the public MTU limit and the engine's must agree");
 
 class SoftContext;
 class SoftQp;
@@ -1300,13 +1301,12 @@ ContextCounters SoftContext::counters() const {
 
 }  // namespace
 
-// ContextOptions::mtu 0: the largest power of two payload (at most 16384
-// in stellar mode, 4096, RoCE's largest, in roce mode) whose datagram --
-// IPv4 and UDP headers, the mode's headers and trailer -- fits the MTU of
-// the interface that holds `address`: 16384 on loopback (65536), 8192 on
-// 9000-byte jumbo frames, 1024 on 1500-byte Ethernet. Fewer, larger
-// datagrams are most of what the host path costs per byte. 4096 when the
-// interface cannot be found (the bind then says why).
+// ContextOptions::mtu 0: the largest payload whose datagram fits the MTU
+// of the interface that holds `address` (off::payload_for_link_mtu: 61440
+// on loopback, 8192 on 9000-byte jumbo frames, 1024 on 1500-byte
+// Ethernet). Fewer, larger datagrams are most of what the host path costs
+// per byte (docs/wire-format.md has the figures). 4096 when the interface
+// cannot be found (the bind then says why).
 uint32_t automatic_mtu(const std::string& address, Mode mode) {
   in_addr wanted{};
   if (::inet_pton(AF_INET, address.c_str(), &wanted) != 1) return 4096;
@@ -1327,9 +1327,7 @@ uint32_t automatic_mtu(const std::string& address, Mode mode) {
     ::freeifaddrs(list);
   }
   if (link_mtu <= 0) return 4096;
-  uint32_t payload = mode == Mode::roce ? 4096 : 16384;
-  while (payload > 256 && payload + 28 + off::max_header_bytes > uint32_t(link_mtu)) payload /= 2;
-  return payload;
+  return off::payload_for_link_mtu(uint32_t(link_mtu), mode == Mode::roce ? off::Mode::roce : off::Mode::stellar);
 }
 
 Result<std::shared_ptr<Context>> open_soft(const ContextOptions& requested) {

@@ -72,6 +72,18 @@ inline bool is_nak(uint8_t s) { return (s & 0xe0) == 0x60; }
 
 inline constexpr uint16_t roce_udp_port = 4791;
 inline constexpr size_t max_header_bytes = 96;  // upper bound of any mode's headers + trailer
+// The largest payload per packet (EngineConfig::mtu): 15 pages; with IPv4's
+// 20 and UDP's 8 bytes and max_header_bytes the datagram stays under 65535.
+inline constexpr uint32_t max_payload_bytes = 61440;
+static_assert(max_payload_bytes + max_header_bytes + 28 <= 65535);
+
+// The largest payload per packet whose datagram (IPv4 20 + UDP 8 +
+// max_header_bytes + payload) fits a link of `link_mtu` bytes: a multiple
+// of 4096 (whole pages stay whole pages), below 4096 the largest power of
+// two, at least 256; at most max_payload_bytes in stellar mode and 4096
+// (RoCE's largest) in roce mode. 65536 (loopback) -> 61440, 9000 -> 8192,
+// 1500 -> 1024.
+uint32_t payload_for_link_mtu(uint32_t link_mtu, Mode mode);
 inline constexpr uint16_t default_pkey = 0xffff;
 
 // Opcode classification helpers.
