@@ -101,7 +101,7 @@ int main(int argc, char** argv) {
   app.add_option("--bind", o.bind, "Local IPv4 address")->capture_default_str();
   app.add_option("--mtu", o.mtu, "Payload bytes per packet (0: the largest the interface carries)")
       ->capture_default_str()
-      ->check(CLI::Range(0u, 16384u));
+      ->check(CLI::Range(0u, stellar::max_mtu));
   app.add_option("--paths", o.paths, "Paths (UDP source ports) to spray over, stellar mode (default: the context's, 16)")
       ->check(CLI::Range(1, 256));
   app.add_option("--path_policy", o.policy, "oblivious, reps, two-choices or bandit (default: the context's)");

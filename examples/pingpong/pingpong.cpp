@@ -107,7 +107,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--mtu", o.mtu, "Payload bytes per packet (0: the largest the interface carries)")
       ->capture_default_str()
-      ->check(CLI::Range(0u, 16384u));
+      ->check(CLI::Range(0u, stellar::max_mtu));
   app.add_flag("--adaptive", o.adaptive, "Spin then sleep instead of pure busy-polling");
   app.add_option("--tenant", o.tenant, "Open the context as this tenant (its credential from STELLAR_TENANT_CREDENTIAL; docs/scheduler.md)");
   app.add_option("--hint", o.hint, "Job hints of the QPs: a kind (allreduce, all-to-all, parameter-fetch, kv-fetch, checkpoint, control) "
