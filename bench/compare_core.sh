@@ -6,13 +6,19 @@
 # GB moved, both processes, user + system (bench/cputime.py), for Stellar,
 # UCX and a kernel TCP stream (iperf3). Each figure is the median of ROUNDS
 # runs (default 3), the peers and Stellar alternating, so that drift on a
-# shared machine hits both sides. Prints medians and ratios.
+# shared machine hits both sides. Prints medians and ratios, then each
+# round's own ratios beside the host's cross-CPU copy rate measured before
+# and after that round's bandwidth runs (stellar_host_probe): on a VM that
+# rate swings several-fold within minutes and every loopback stream swings
+# with it (docs/benchmarks.md, "The slow mode"), so a ratio is only read
+# against a round whose two probes agree.
 # Usage: bench/compare_core.sh BUILD_DIR [ROUNDS]
 set -euo pipefail
 build=${1:-build}
 rounds=${2:-3}
 pp=$build/examples/stellar_pingpong
 bw=$build/bench/stellar_write_bw
+probe=$build/bench/stellar_host_probe
 port=$((30000 + RANDOM % 10000))
 next_port() { port=$((port + 1)); }
 cputime="python3 $(dirname "$0")/cputime.py"
@@ -73,12 +79,14 @@ stellar_bw() {  # mode drop case -> GB/s
 
 median() { sort -g | awk '{v[NR] = $1} END {print v[int((NR + 1) / 2)]}'; }
 declare -A runs
-cases=(sock ucxl sl rl ucxb tcpb sb sbl rb rbl)
+# The 1 MiB streams compared in a goal run next to each other (UCX, Stellar,
+# TCP), between two probes of the host.
+cases=(sock ucxl sl rl pre ucxb sb tcpb post sbl rb rbl)
 total=$((rounds * ${#cases[@]})); done_cases=0; started=$(date +%s)
 measure() {
   case $1 in
     sock) sockperf_lat ;; ucxl) ucx_lat ;; sl) stellar_lat stellar ;; rl) stellar_lat roce ;;
-    ucxb) ucx_bw ;; tcpb) iperf_bw ;;
+    ucxb) ucx_bw ;; tcpb) iperf_bw ;; pre | post) "$probe" ;;
     sb) stellar_bw stellar 0 sb ;; sbl) stellar_bw stellar 0.01 sbl ;; rb) stellar_bw roce 0 rb ;; rbl) stellar_bw roce 0.01 rbl ;;
   esac
 }
@@ -115,3 +123,17 @@ printf "%-48s %10s %10s\n" "stellar WRITE 1 MiB, stellar mode" "$cpu_sb" "$(rati
 printf "%-48s %10s %10s\n" "stellar WRITE 1 MiB, stellar mode, 1% loss" "$cpu_sbl" "$(ratio "$cpu_sbl" "$cpu_tcpb")"
 printf "%-48s %10s %10s\n" "stellar WRITE 1 MiB, roce mode" "$cpu_rb" "$(ratio "$cpu_rb" "$cpu_tcpb")"
 printf "%-48s %10s %10s\n" "stellar WRITE 1 MiB, roce mode, 1% loss" "$cpu_rbl" "$(ratio "$cpu_rbl" "$cpu_tcpb")"
+
+echo
+echo "Each round on its own (host probe: cross-CPU copy GB/s before and after the round's streams;"
+echo "a round whose two probes differ by more than 2x changed phase in the middle and is marked *)"
+printf "%-6s %15s %9s %9s %11s %13s\n" "round" "probe GB/s" "stellar" "UCX" "bw vs UCX" "CPU vs TCP"
+read -r -a pre_r <<< "${runs[pre]}"; read -r -a post_r <<< "${runs[post]}"
+read -r -a sb_r <<< "${runs[sb]}"; read -r -a ucxb_r <<< "${runs[ucxb]}"
+mapfile -t cpu_sb_r < "$work/cpu.sb"; mapfile -t cpu_tcpb_r < "$work/cpu.tcpb"
+for ((r = 0; r < rounds; r++)); do
+  u=$(awk -v m="${ucxb_r[r]}" 'BEGIN { printf "%.3f", m * 1048576 / 1e9 }')
+  mark=$(awk -v a="${pre_r[r]}" -v b="${post_r[r]}" 'BEGIN { print (a == "n/a" || b == "n/a" || a > 2 * b || b > 2 * a) ? "*" : "" }')
+  printf "%-6s %15s %9s %9s %11s %13s\n" "$((r + 1))$mark" "${pre_r[r]} / ${post_r[r]}" "${sb_r[r]}" "$u" \
+    "$(ratio "${sb_r[r]}" "$u")" "$(ratio "${cpu_sb_r[r]}" "${cpu_tcpb_r[r]}")"
+done
