@@ -15,16 +15,21 @@
 # takes medians (shared machine: drift hits every transport alike).
 #
 # Usage: bench/compare/compare.sh [--build DIR] [--out DIR] [--rounds N]
-#                                 [--quick] [--no-testbed]
+#                                 [--quick] [--no-testbed] [--segment all|none|udp]
 #   --build DIR    build tree with bench/stellar_write_{lat,bw} (default: build)
 #   --out DIR      results: compare.txt (table), compare.json, *.png (default: bench-results)
 #   --quick        a small loopback-only subset, one round (smoke test)
 #   --only REGEX   keep the cases ("ENV KIND TRANSPORT SIZE LOSS") that match, e.g. 'tb incast'
+#   --segment MODE where the testbed's hosts cut UDP GSO and TCP TSO batches into
+#                  packets (bench/fabric/testbed.sh): all (default: both, the
+#                  fabric sees single packets as on a wire), none (both cross
+#                  whole), udp (UDP only: TCP's batches cross the routers whole,
+#                  so TCP pays one forwarding per 64 KiB and Stellar one per 8 KiB)
 # The testbed needs root; without root the testbed half is left out.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 testbed=$here/../fabric/testbed.sh
-build=build out=bench-results rounds=3 quick=0 use_testbed=1 only=.
+build=build out=bench-results rounds=3 quick=0 use_testbed=1 only=. segment=all
 while (($#)); do
   case $1 in
     --build) build=$2; shift 2 ;;
@@ -33,6 +38,7 @@ while (($#)); do
     --quick) quick=1; shift ;;
     --no-testbed) use_testbed=0; shift ;;
     --only) only=$2; shift 2 ;;
+    --segment) segment=$2; shift 2 ;;
     *) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 2 ;;
   esac
 done
@@ -262,7 +268,7 @@ cases=("${filtered[@]}")
 [[ " ${cases[*]}" == *" tb "* ]] || use_testbed=0
 
 if ((use_testbed)); then
-  "$testbed" up --spines 2 --hosts 4 > /dev/null
+  "$testbed" up --spines 2 --hosts 4 --segment "$segment" > /dev/null
   testbed_up=1
   stellar_pin=$(pin_port 4791 udp)
 fi
@@ -307,4 +313,4 @@ done
 echo "# measured $total cases in $(($(date +%s) - started)) s" >&2
 
 python3 "$here/report.py" --records "$records" --out "$out" --rounds "$rounds" \
-  --command "bench/compare/compare.sh $( ((quick)) && echo --quick) --rounds $rounds --build $build"
+  --command "bench/compare/compare.sh $( ((quick)) && echo --quick) --rounds $rounds --build $build --segment $segment"

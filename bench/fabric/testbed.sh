@@ -13,8 +13,25 @@
 # jumbo frames (MTU 9000): the soft provider's 4 KiB packets then cross the
 # fabric unfragmented, as RoCE does on a fabric with a 4096-byte path MTU.
 #
+# Segmentation: a host's kernel hands its eth0 send batches (UDP GSO, TCP
+# TSO: up to 64 KiB) that a NIC would cut into MTU-sized packets. veth does
+# not cut them: a batch left whole crosses the routers as one packet, costing
+# one forwarding per batch instead of one per packet, and a loss rule or tbf
+# then acts on the whole batch. `--segment` says which protocols the hosts cut
+# before the fabric (ethtool on each host's eth0):
+#   udp   (default) UDP cut into datagrams, TCP batches whole: loss acts per
+#         datagram on Stellar (what the loss and multipath tests rely on),
+#         but TCP pays one forwarding per 64 KiB where UDP pays one per 8 KiB
+#   all   both cut: the fabric sees single packets of both, as on a wire
+#   none  both whole: the fabric's forwarding cost per batch for both, as
+#         NICs with segmentation offload (TSO, USO) present it to the host CPU
+# Benchmarks comparing Stellar with TCP use `all` or `none` (docs/benchmarks.md).
+#
 # Usage: bench/fabric/testbed.sh COMMAND [ARGS]
-#   up [--spines N(2-4)] [--hosts H] [--leaves L]   build it (tears down a previous one)
+#   up [--spines N(2-4)] [--hosts H] [--leaves L] [--segment udp|all|none]
+#                                         build it (tears down a previous one)
+#   segment udp|all|none                  where the hosts' send batches are cut into
+#                                         packets (below); status shows it
 #   down                                  remove every namespace with the prefix
 #   status                                namespaces, links, loss and rate settings
 #   addr L H                              the address of host H on leaf L
@@ -105,18 +122,52 @@ cmd_down() {
   done
 }
 
+# segment_host L H MODE: ethtool features of the host's eth0 ("on": the
+# device takes batches whole; "off": the kernel cuts them before it).
+segment_host() {
+  local udp tcp
+  case $3 in
+    udp) udp=off tcp=on ;;
+    all) udp=off tcp=off ;;
+    none) udp=on tcp=on ;;
+    *) die "segment: udp, all or none, not '$3'" ;;
+  esac
+  in_ns "$(host "$1" "$2")" ethtool -K eth0 tx-udp-segmentation $udp tcp-segmentation-offload $tcp > /dev/null 2>&1 ||
+    die "ethtool -K eth0 failed in host $1.$2"
+}
+
+segmentation_of() {  # L H -> udp|all|none, from the host's eth0 features
+  local f udp tcp
+  f=$(in_ns "$(host "$1" "$2")" ethtool -k eth0)
+  udp=$(awk '$1 == "tx-udp-segmentation:" {print $2}' <<< "$f")
+  tcp=$(awk '$1 == "tcp-segmentation-offload:" {print $2}' <<< "$f")
+  case $udp/$tcp in
+    off/on) echo udp ;; off/off) echo all ;; on/on) echo none ;; *) echo "mixed (udp batches $udp, tcp batches $tcp)" ;;
+  esac
+}
+
+cmd_segment() {
+  local mode=${1:?segment: udp, all or none} l h
+  require_up
+  for ((l = 1; l <= $(leaves); l++)); do
+    for ((h = 1; h <= $(hosts_per_leaf); h++)); do segment_host "$l" "$h" "$mode"; done
+  done
+}
+
 cmd_up() {
-  local nl=2 ns=2 nh=4
+  local nl=2 ns=2 nh=4 segment=udp
   while (($#)); do
     case $1 in
       --spines) ns=$2; shift 2 ;;
       --hosts) nh=$2; shift 2 ;;
       --leaves) nl=$2; shift 2 ;;
+      --segment) segment=$2; shift 2 ;;
       *) die "up: unknown option $1" ;;
     esac
   done
   ((ns >= 2 && ns <= 4)) || die "--spines must be 2-4"
   ((nh >= 1 && nh <= 16 && nl >= 2 && nl <= 8)) || die "--hosts 1-16, --leaves 2-8"
+  [[ $segment =~ ^(udp|all|none)$ ]] || die "--segment must be udp, all or none"
   cmd_down
   local l s h
   for ((s = 1; s <= ns; s++)); do
@@ -137,13 +188,11 @@ cmd_up() {
       new_ns "$(host "$l" "$h")"
       veth "$(host "$l" "$h")" eth0 "10.$l.$h.2" "$(leaf "$l")" "to-h$h" "10.$l.$h.1"
       ip -n "$(host "$l" "$h")" route add default via "10.$l.$h.1"
-      # Segment UDP GSO batches at the host, so that loss and rate limits in
-      # the fabric act on single datagrams, as they would on a wire.
-      in_ns "$(host "$l" "$h")" ethtool -K eth0 tx-udp-segmentation off > /dev/null 2>&1 || true
+      segment_host "$l" "$h" "$segment"
     done
   done
   program_routes
-  echo "testbed '$P' up: $nl leaves, $ns spines, $nh hosts per leaf"
+  echo "testbed '$P' up: $nl leaves, $ns spines, $nh hosts per leaf, segmentation at the hosts: $segment"
 }
 
 cmd_move_host() {
@@ -170,7 +219,7 @@ EOF
 cmd_status() {
   require_up
   local l m s h
-  echo "testbed '$P': $(leaves) leaves, $(spines) spines, $(hosts_per_leaf) hosts per leaf"
+  echo "testbed '$P': $(leaves) leaves, $(spines) spines, $(hosts_per_leaf) hosts per leaf, segmentation at the hosts: $(segmentation_of 1 1)"
   for ((l = 1; l <= $(leaves); l++)); do
     for ((s = 1; s <= $(spines); s++)); do
       printf "  leaf%d-spine%d %s\n" "$l" "$s" "$(link_is_up "$l" "$s" && echo up || echo DOWN)"
@@ -320,6 +369,7 @@ case $command in
   up) cmd_up "$@" ;;
   down) cmd_down ;;
   status) cmd_status ;;
+  segment) cmd_segment "$@" ;;
   addr) echo "10.$1.$2.2" ;;
   exec) l=$1 h=$2; shift 2; in_ns "$(host "$l" "$h")" "$@" ;;
   fail-link) cmd_link down "$@" ;;

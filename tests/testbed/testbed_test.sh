@@ -3,7 +3,7 @@
 # invocation, each on its own namespace prefix so that ctest may run them in
 # parallel, each tearing its fabric down on exit, failure or interrupt.
 # Assertions are on packet counts only, never on time.
-# Usage: tests/testbed/testbed_test.sh up|ecmp|loss|failover|teardown
+# Usage: tests/testbed/testbed_test.sh up|ecmp|loss|failover|teardown|segment
 # Exit 77 (ctest SKIP) when not root or `ip netns` is unavailable.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -129,6 +129,56 @@ case $case_name in
     ((left == 0)) || fail "$left namespaces left"
     links=$(ip -o link show | grep -c "$STB_PREFIX" || true)
     ((links == 0)) || fail "$links links with the prefix left in the root namespace"
+    ;;
+
+  segment)
+    # Where the hosts cut their send batches (testbed.sh --segment): 10 UDP
+    # GSO sends of 8 x 1000 bytes reach leaf 1 as 80 datagrams when UDP is
+    # cut at the host (udp, all) and as 10 whole batches when not (none); a
+    # TCP stream reaches it in packets of at most the MSS when TCP is cut (all).
+    leaf_rx() { ip netns exec "${STB_PREFIX}leaf1" cat /sys/class/net/to-h1/statistics/rx_packets; }
+    gso_batches() {  # -> packets leaf 1 received for 10 batches of 8 segments
+      local before
+      before=$(leaf_rx)
+      "$testbed" exec 1 1 python3 -c '
+import socket
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.setsockopt(socket.IPPROTO_UDP, 103, 1000)  # UDP_SEGMENT: 1000-byte segments
+for _ in range(10):
+    s.sendto(bytes(8000), ("10.2.1.2", 9999))'
+      echo $(($(leaf_rx) - before))
+    }
+    for mode in udp all none; do
+      "$testbed" segment "$mode"
+      [[ $("$testbed" status | head -1) == *"segmentation at the hosts: $mode" ]] || fail "status does not say $mode"
+      n=$(gso_batches)
+      echo "segment $mode: leaf 1 received $n packets for 10 GSO batches of 8"
+      if [[ $mode == none ]]; then
+        ((n >= 10 && n < 20)) || fail "segment none: $n packets, expected the 10 batches whole"
+      else
+        ((n >= 80)) || fail "segment $mode: $n packets, expected 80 datagrams"
+      fi
+    done
+    "$testbed" segment all
+    "$testbed" exec 2 1 timeout 20 python3 -c '
+import socket
+l = socket.socket(); l.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); l.bind(("10.2.1.2", 9998)); l.listen(1)
+c, _ = l.accept()
+while c.recv(1 << 20): pass' &
+    server=$!
+    before=$(leaf_rx)
+    "$testbed" exec 1 1 python3 -c '
+import socket, time
+for _ in range(100):
+    try:
+        c = socket.create_connection(("10.2.1.2", 9998)); break
+    except OSError: time.sleep(0.05)
+c.sendall(bytes(4 << 20)); c.close()'
+    wait "$server"
+    n=$(($(leaf_rx) - before))
+    echo "segment all: leaf 1 received $n packets for a 4 MiB TCP stream"
+    # MSS on the 9000-byte links: 9000 - 20 (IP) - 20 (TCP) - 12 (timestamps) = 8948.
+    ((n >= (4 << 20) / 8948)) || fail "segment all: $n packets for 4 MiB of TCP, expected at least $(((4 << 20) / 8948))"
     ;;
 
   *) echo "unknown case $case_name"; exit 2 ;;
