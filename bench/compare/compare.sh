@@ -42,6 +42,7 @@ while (($#)); do
     *) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 2 ;;
   esac
 done
+[[ $segment =~ ^(all|none|udp)$ ]] || { echo "compare: --segment takes all, none or udp, not '$segment'" >&2; exit 2; }
 lat_bin=$build/bench/stellar_write_lat
 bw_bin=$build/bench/stellar_write_bw
 for f in "$lat_bin" "$bw_bin"; do [[ -x $f ]] || { echo "compare: $f missing (build the bench targets)" >&2; exit 1; }; done
