@@ -12,7 +12,11 @@
 # 1 KiB times, then the CPU seconds per GB of each (all ranks, user +
 # system, bench/cputime.py) for a 16 MiB allreduce loop, its start-up (a
 # one-call run) subtracted; writes the tables as JSON to OUT (default
-# bench-results/allreduce.json).
+# bench-results/allreduce.json). Last, the host's cross-CPU copy rate
+# (stellar_host_probe) measured before each run: on a VM it swings several
+# fold within minutes and every program's figures with it (docs/benchmarks.md,
+# "The slow mode is the host's"), so a ratio between runs of very different
+# probes says more about the host than about the programs.
 # Usage: bench/allreduce_compare.sh BUILD_DIR [ROUNDS] [RANKS] [OUT] [-- extra stellar_allreduce options]
 set -euo pipefail
 build=${1:-build}
@@ -61,6 +65,7 @@ for ((r = 1; r <= rounds; r++)); do
     elapsed=$(($(date +%s) - started))
     left=$(( n > 1 ? elapsed * (total - n + 1) / (n - 1) : 0 ))
     printf '[%2d/%d] %-8s round %d   (elapsed %ds, about %ds left)\n' "$n" "$total" "$t" "$r" "$elapsed" "$left" >&2
+    "$build/bench/stellar_host_probe" 500 > "$work/probe.$t.$r" 2> /dev/null || echo n/a > "$work/probe.$t.$r"
     run "$t" "$r"
   done
 done
@@ -128,3 +133,12 @@ json.dump({"machine": f"{platform.node()} {os.cpu_count()} cpus", "ranks": ranks
           open(out, "w"), indent=1)
 print(f"JSON: {out}")
 PY
+
+echo
+echo "host probe before each run (cross-CPU copy GB/s, stellar_host_probe):"
+printf '%-6s' round; printf ' %11s' "${tools[@]}"; echo
+for ((r = 1; r <= rounds; r++)); do
+  printf '%-6s' "$r"
+  for t in "${tools[@]}"; do printf ' %11s' "$(cat "$work/probe.$t.$r")"; done
+  echo
+done
