@@ -49,6 +49,8 @@ struct Options {
   std::string wait = "auto";
   bool verbose = false;
   bool no_shm = false;
+  bool no_direct = false;
+  bool direct_gather = true;  // what the ranks run with (the header says it)
   uint32_t mtu = 0;  // payload bytes per packet; 0: the context's default
   std::string tenant, hint;  // docs/scheduler.md
   uint64_t tx_rate = 0;      // bytes/s the flow scheduler shapes each rank to (0: none)
@@ -224,8 +226,9 @@ int run_rank(const Options& o, CommunicatorOptions co) {
                             : c.shared_memory_peers > 0
                                 ? std::to_string(c.shared_memory_peers) + " of " + std::to_string(comm.size() - 1) + " peers (rank 0)"
                                 : std::string(o.no_shm ? "off (--no-shm)" : "off (no peer on this host could share it)");
-    std::printf("# transport: provider %s, mode %s, cc %s, wait %s, algorithm %s, chunk %s, qps per peer %u, shared memory %s\n#\n", o.provider.c_str(),
-                o.mode.c_str(), o.cc.c_str(), wait.c_str(), o.algorithm.c_str(), o.chunk.c_str(), o.qps, shm.c_str());
+    std::printf("# transport: provider %s, mode %s, cc %s, wait %s, algorithm %s, chunk %s, qps per peer %u, shared memory %s, direct gather %s\n#\n",
+                o.provider.c_str(), o.mode.c_str(), o.cc.c_str(), wait.c_str(), o.algorithm.c_str(), o.chunk.c_str(), o.qps, shm.c_str(),
+                o.direct_gather ? "on" : "off");
     std::printf("#                                              out-of-place                       in-place          \n");
     std::printf("#       size         count      type   redop     time   algbw   busbw #wrong     time   algbw   busbw #wrong\n");
     std::printf("#        (B)    (elements)                       (us)  (GB/s)  (GB/s)            (us)  (GB/s)  (GB/s)       \n");
@@ -278,10 +281,12 @@ int run_rank(const Options& o, CommunicatorOptions co) {
   std::fflush(stdout);
   if (o.verbose) {
     const CommunicatorCounters c = comm.counters();
-    std::fprintf(stderr, "# rank %d: %llu calls, %llu messages, %llu bytes sent; transport: %llu packets sent, %llu retransmitted, %llu timeouts, %llu tail probes, %llu duplicates received, %llu send errors\n",
+    std::fprintf(stderr, "# rank %d: %llu calls, %llu messages, %llu bytes sent; transport: %llu packets sent, %llu retransmitted, %llu timeouts, %llu tail probes, %llu duplicates received, %llu send errors, %llu packets received into place (%llu misses); %llu gather bytes written into place by the previous rank\n",
                  comm.rank(), (unsigned long long)c.calls, (unsigned long long)c.messages_sent, (unsigned long long)c.bytes_sent,
                  (unsigned long long)c.transport.tx_packets, (unsigned long long)c.transport.retransmitted_packets, (unsigned long long)c.transport.timeouts,
-                 (unsigned long long)c.transport.tail_probes, (unsigned long long)c.transport.rx_duplicates, (unsigned long long)c.transport.send_errors);
+                 (unsigned long long)c.transport.tail_probes, (unsigned long long)c.transport.rx_duplicates, (unsigned long long)c.transport.send_errors,
+                 (unsigned long long)c.transport.rx_placed, (unsigned long long)c.transport.rx_placement_misses,
+                 (unsigned long long)c.bytes_gathered_in_place);
   }
   return wrong_total ? 1 : 0;
 }
@@ -327,6 +332,8 @@ int main(int argc, char** argv) {
   app.add_option("-m,--mtu", o.mtu, "soft provider: payload bytes per packet (as perftest's -m; 0: the context's default)")
       ->check(CLI::Range(0u, stellar::max_mtu));
   app.add_flag("--no-shm", o.no_shm, "ranks on this host talk over the network too (default: shared memory between them; STELLAR_COLL_SHM=0)");
+  app.add_flag("--no-direct", o.no_direct,
+               "gather steps go through landing slots and a copy (default: written straight into the next rank's output; STELLAR_COLL_DIRECT=0)");
   app.add_option("--wait", o.wait, "busy (spin: lowest latency, one core per rank), adaptive (spin 50 us, then sleep) or auto: "
                  "busy, or adaptive when more ranks share this host than there are CPUs (counted at bootstrap)")
       ->capture_default_str();
@@ -357,6 +364,10 @@ int main(int argc, char** argv) {
     if (std::string(shm) != "0" && std::string(shm) != "1") die("STELLAR_COLL_SHM", Status(Errc::invalid_argument, "0 or 1"));
     base.shared_memory = std::string(shm) == "1";
   }
+  if (const char* direct = std::getenv("STELLAR_COLL_DIRECT"); direct && o.local_ranks > 0) {
+    if (std::string(direct) != "0" && std::string(direct) != "1") die("STELLAR_COLL_DIRECT", Status(Errc::invalid_argument, "0 or 1"));
+    base.direct_gather = std::string(direct) == "1";
+  }
   base.timeout = std::chrono::milliseconds(o.timeout_ms);
   if (o.cc == "none") base.context.congestion_control = CongestionControl::none;
   else if (o.cc == "dcqcn") base.context.congestion_control = CongestionControl::dcqcn;
@@ -382,9 +393,13 @@ int main(int argc, char** argv) {
       co->adapt_wait = base.adapt_wait;
     }
     if (o.no_shm) co->shared_memory = false;
+    if (o.no_direct) co->direct_gather = false;
+    o.direct_gather = co->direct_gather;
     return run_rank(o, *co);
   }
   if (o.no_shm) base.shared_memory = false;
+  if (o.no_direct) base.direct_gather = false;
+  o.direct_gather = base.direct_gather;
   base.world_size = o.local_ranks;
   base.master_address = "127.0.0.1";
   base.master_port = free_port();

@@ -98,13 +98,24 @@ struct CommunicatorOptions {
   // chunk_bytes bytes; its name is removed from /dev/shm once the peers have
   // mapped it. Benchmarks of the network path turn it off.
   bool shared_memory = true;
+  // Direct gather: in a ring's gather steps (allreduce's second half,
+  // allgather) each rank writes the finished chunks straight into the next
+  // rank's output buffer instead of into a landing slot that the next rank
+  // then copies out of, as NCCL's registered-buffer path does: one copy of
+  // each gathered byte less. Each rank tells the previous one where its
+  // output is (16 bytes at the start of the call) and registers it for
+  // remote writes for the call's duration. Decided per pair at bootstrap:
+  // both ranks must allow it (false here or STELLAR_COLL_DIRECT=0 on either
+  // keeps the pair on landing slots); pairs on shared memory never use it.
+  bool direct_gather = true;
 
   // Reads the launcher's environment on top of `base`: torchrun's RANK,
   // WORLD_SIZE, MASTER_ADDR, MASTER_PORT; mpirun's OMPI_COMM_WORLD_RANK and
   // OMPI_COMM_WORLD_SIZE (with MASTER_ADDR/MASTER_PORT, or their defaults
   // above); STELLAR_COLL_TIMEOUT_MS, STELLAR_COLL_QPS_PER_PEER and
   // STELLAR_COLL_WAIT (auto: adapt_wait; busy or adaptive: that policy,
-  // whatever the count) and STELLAR_COLL_SHM (0 or 1: shared_memory). Fails with invalid_argument when no rank/size is
+  // whatever the count), STELLAR_COLL_SHM (0 or 1: shared_memory) and
+  // STELLAR_COLL_DIRECT (0 or 1: direct_gather). Fails with invalid_argument when no rank/size is
   // found or the values are out of range.
   static Result<CommunicatorOptions> from_environment(const CommunicatorOptions& base);
   static Result<CommunicatorOptions> from_environment();  // on top of the defaults
@@ -140,6 +151,9 @@ struct CommunicatorCounters {
   int cpus = 1;
   bool oversubscribed = false;
   int shared_memory_peers = 0;  // peers this rank talks to through shared memory (the rest: the network)
+  // Gather-step bytes the previous rank wrote straight into this rank's
+  // output (CommunicatorOptions::direct_gather), not copied out of a slot.
+  uint64_t bytes_gathered_in_place = 0;
 };
 
 class Communicator {

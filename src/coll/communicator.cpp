@@ -147,6 +147,10 @@ Result<CommunicatorOptions> CommunicatorOptions::from_environment(const Communic
     if (*shm != "0" && *shm != "1") return Status(Errc::invalid_argument, "STELLAR_COLL_SHM='" + *shm + "' is not 0 or 1");
     o.shared_memory = *shm == "1";
   }
+  if (auto direct = config::text("STELLAR_COLL_DIRECT")) {
+    if (*direct != "0" && *direct != "1") return Status(Errc::invalid_argument, "STELLAR_COLL_DIRECT='" + *direct + "' is not 0 or 1");
+    o.direct_gather = *direct == "1";
+  }
   if (auto w = config::text("STELLAR_COLL_WAIT")) {
     if (*w == "busy" || *w == "adaptive") {
       o.context.wait = *w == "busy" ? WaitPolicy::busy_poll : WaitPolicy::adaptive;
@@ -218,6 +222,7 @@ struct Peer {
   std::vector<std::deque<Arrival>> arrivals;  // per QP: parts of the peer's messages not yet consumed
   uint32_t receiving_parts = 0;  // parts of the message receive() handed out, dropped by release()
   bool said_bye = false;
+  bool direct = false;  // both ranks allow direct gather (CommunicatorOptions::direct_gather)
   uint32_t call_sent = 0, call_received = 0;  // message indices within the current call
   // Point-to-point transfers started and not yet done, in the order they
   // were started (the order they match in); the counts name them.
@@ -325,7 +330,7 @@ json hello_json(int rank, int world, const CommunicatorOptions& o, const std::st
               {"world_size", world},      {"mode", to_string(o.context.mode)},
               {"slots", o.slots},         {"chunk_bytes", o.chunk_bytes},
               {"allreduce_algorithm", int(o.allreduce_algorithm)}, {"small_message_bytes", o.small_message_bytes},
-              {"qps_per_peer", o.qps_per_peer},
+              {"qps_per_peer", o.qps_per_peer},  {"direct_gather", o.direct_gather},
               {"endpoints", endpoints},   {"landing", landing}};
 }
 
@@ -458,12 +463,16 @@ class Comm final : public Communicator {
   uint64_t number_send(Peer& p, uint32_t parts);          // registers a send of `parts` parts on QPs 0..parts-1
   Status complete_part(Peer& p, size_t qp);
   // A message of the current call (the next index to or from the peer).
-  Status send(Peer& p, const uint8_t* source, uint32_t lkey, size_t bytes, uint64_t* sequence);
+  // `remote`/`rkey` (not 0): written there (the peer's output, direct
+  // gather) instead of into the peer's next landing slot, which it still
+  // takes as a credit.
+  Status send(Peer& p, const uint8_t* source, uint32_t lkey, size_t bytes, uint64_t* sequence, uint64_t remote = 0, uint32_t rkey = 0);
   Result<const uint8_t*> receive(Peer& p, size_t bytes);  // waits for the next message, checks it
   Status release(Peer& p);                                // frees its slot: credit to the sender
   // The same with the message's name (call tag, index) given: what
   // point-to-point transfers use, outside any call.
-  Status transmit(Peer& p, const uint8_t* source, uint32_t lkey, size_t bytes, uint64_t* sequence, uint16_t tag, uint32_t index);
+  Status transmit(Peer& p, const uint8_t* source, uint32_t lkey, size_t bytes, uint64_t* sequence, uint16_t tag, uint32_t index,
+                  uint64_t remote = 0, uint32_t rkey = 0);
   Result<const uint8_t*> arrive(Peer& p, size_t bytes, uint16_t tag, uint32_t index, bool point_to_point);
   Status release_slot(Peer& p);
   // Point to point: moves what can move without waiting; *moved says whether
@@ -482,6 +491,7 @@ class Comm final : public Communicator {
     const uint8_t* contribution = nullptr;  // this rank's input at element offsets (reduce steps)
     uint8_t* work = nullptr;                // partial results and gathered segments
     uint32_t work_lkey = 0;
+    uint32_t work_rkey = 0;                 // registered for remote writes (direct gather), else 0
     uint8_t* own_result = nullptr;          // where segment `rank` ends after the reduce steps (null: work)
     const uint8_t* first_source = nullptr;  // the first step's segment
     uint32_t first_lkey = 0;
@@ -500,8 +510,10 @@ class Comm final : public Communicator {
   struct CallRegistration {
     std::unique_ptr<MemoryRegion> mr;
     uint32_t lkey() const { return mr ? mr->lkey() : 0; }
+    uint32_t rkey() const { return mr ? mr->rkey() : 0; }
   };
-  Result<CallRegistration> register_range(const void* address, size_t bytes);
+  // `remote_write`: the peers may write into it too (direct gather).
+  Result<CallRegistration> register_range(const void* address, size_t bytes, bool remote_write = false);
   Result<uint8_t*> scratch(size_t bytes, uint32_t* lkey);
 
   CommunicatorOptions options_;
@@ -526,6 +538,11 @@ class Comm final : public Communicator {
   uint64_t idle_polls_ = 0;  // pump() calls without progress in a row
   Clock::time_point idle_since_{}, liveness_checked_{};
   AlignedBuffer scratch_;
+  // Where this rank's output is, for the previous rank's direct gather
+  // writes: 16 bytes sent at the start of a call (address, rkey), read by
+  // the transport until acknowledged, which end_call waits for.
+  AlignedBuffer advert_;
+  std::unique_ptr<MemoryRegion> advert_mr_;
   size_t scratch_bytes_ = 0;
   std::unique_ptr<MemoryRegion> scratch_mr_;
   std::vector<Peer> peers_;  // indexed by rank; peers_[rank_] unused
@@ -608,6 +625,11 @@ Status Comm::bootstrap(Store* store) {
     auto mr = pd_->register_memory(landing_base_, per_peer * peers, access_local_write | access_remote_write);
     if (!mr) return mr.status();
     landing_mr_ = std::move(*mr);
+    advert_ = allocate(4096);
+    if (!advert_) return Status(Errc::resource_exhausted, "communicator: cannot allocate the direct-gather buffer");
+    auto advert_mr = pd_->register_memory(advert_.get(), 4096, access_local_write);
+    if (!advert_mr) return advert_mr.status();
+    advert_mr_ = std::move(*advert_mr);
   }
   peer_segments_.resize(size_t(size_));
   network_peers_ = int(peers);
@@ -923,6 +945,8 @@ Status Comm::connect_peers(const std::vector<json>& table) {
     try {
       p.remote_landing = theirs.at("landing").at(size_t(rank_)).at("addr").get<uint64_t>();
       p.remote_rkey = theirs.at("landing_rkey").get<uint32_t>();
+      // Absent from a rank built before direct gather: it expects slots.
+      p.direct = options_.direct_gather && theirs.value("direct_gather", false);
     } catch (const std::exception& e) {
       return Status(Errc::protocol_error, std::string("rendezvous: malformed landing buffer entry: ") + e.what());
     }
@@ -1177,19 +1201,21 @@ Status Comm::take_completions(const WorkCompletion* wcs, int n) {
   return {};
 }
 
-Status Comm::send(Peer& p, const uint8_t* source, uint32_t lkey, size_t bytes, uint64_t* sequence) {
-  Status s = transmit(p, source, lkey, bytes, sequence, call_tag_, p.call_sent);
+Status Comm::send(Peer& p, const uint8_t* source, uint32_t lkey, size_t bytes, uint64_t* sequence, uint64_t remote, uint32_t rkey) {
+  Status s = transmit(p, source, lkey, bytes, sequence, call_tag_, p.call_sent, remote, rkey);
   if (s.ok()) ++p.call_sent;
   return s;
 }
 
-Status Comm::transmit(Peer& p, const uint8_t* source, uint32_t lkey, size_t bytes, uint64_t* sequence, uint16_t tag, uint32_t index) {
+Status Comm::transmit(Peer& p, const uint8_t* source, uint32_t lkey, size_t bytes, uint64_t* sequence, uint16_t tag, uint32_t index,
+                      uint64_t remote, uint32_t rkey) {
   while (!can_post(p))
     if (Status s = pump(&p, "credits"); !s.ok()) return s;
   if (p.shm) {
     // Straight into the peer's landing slot, then publish: the source may
     // be reused at once (nothing will read it again).
     if (bytes > options_.chunk_bytes) return fail(Status(Errc::invalid_argument, "communicator: a message larger than a landing slot"));
+    if (remote) return fail(Status(Errc::wrong_state, "communicator: a direct write to a peer on shared memory"));
     std::memcpy(p.shm->slots_of(rank_, p.rank) + (p.data_posted % options_.slots) * options_.chunk_bytes, source, bytes);
     p.shm->meta(rank_, p.data_posted).store(uint64_t(data_imm(tag, 1, index)) << 32 | bytes, std::memory_order_relaxed);
     p.shm->sender_line(rank_).posted.store(p.data_posted + 1, std::memory_order_release);
@@ -1210,8 +1236,8 @@ Status Comm::transmit(Peer& p, const uint8_t* source, uint32_t lkey, size_t byte
     wr.wr_id = channel_id(p.rank, j);
     wr.opcode = WrOpcode::rdma_write_with_imm;
     wr.sg_list = {&sge, bytes ? 1u : 0u};
-    wr.remote_addr = p.remote_landing + (p.data_posted % options_.slots) * options_.chunk_bytes + offset;
-    wr.rkey = p.remote_rkey;
+    wr.remote_addr = (remote ? remote : p.remote_landing + (p.data_posted % options_.slots) * options_.chunk_bytes) + offset;
+    wr.rkey = remote ? rkey : p.remote_rkey;
     wr.imm_data = data_imm(tag, parts, index);
     if (Status s = p.qps[j]->post_send(wr); !s.ok()) return fail(s);
   }
@@ -1334,9 +1360,9 @@ void Comm::say_goodbye() {
   context_->flush_acknowledgements();
 }
 
-Result<Comm::CallRegistration> Comm::register_range(const void* address, size_t bytes) {
+Result<Comm::CallRegistration> Comm::register_range(const void* address, size_t bytes, bool remote_write) {
   if (network_peers_ == 0) return CallRegistration{};
-  auto mr = pd_->register_memory(const_cast<void*>(address), bytes, access_local_write);
+  auto mr = pd_->register_memory(const_cast<void*>(address), bytes, access_local_write | (remote_write ? access_remote_write : 0u));
   if (!mr) return mr.status();
   return CallRegistration{std::move(*mr)};
 }
@@ -1363,10 +1389,47 @@ Result<uint8_t*> Comm::scratch(size_t bytes, uint32_t* lkey) {
 // N-2 rank r holds the full reduction of segment r; steps N-1..2N-3 pass the
 // finished segments around. Each segment travels in chunks, and a chunk is
 // forwarded as soon as it is reduced, so the transfers pipeline.
+//
+// Direct gather (CommunicatorOptions::direct_gather): where a pair allows
+// it, the gather steps write each finished chunk straight to its place in
+// the receiver's `work` rather than into a landing slot the receiver copies
+// out of. The receiver says where `work` is with its first message of the
+// call to the previous rank (address and rkey, 16 bytes); the slot and its
+// credit are still taken per message, so flow control is unchanged. That
+// the writer may overwrite the receiver's partial result of that chunk is
+// safe: the finished chunk exists only after the next rank took that
+// partial result whole, so a retransmission of it still reading `work`
+// would be a duplicate the next rank drops unread.
 Status Comm::ring(const RingPlan& plan) {
   const int n = size_;
   Peer& next = peer(rank_ + 1);
   Peer& prev = peer(rank_ - 1);
+  const bool gathers = plan.last_step >= n - 1;
+  const bool into_us = gathers && prev.direct && !prev.shm;    // prev writes into our work
+  const bool into_next = gathers && next.direct && !next.shm;  // we write into next's work
+  uint64_t next_work = 0;
+  uint32_t next_rkey = 0;
+  bool have_next_work = !into_next;
+  if (into_us) {
+    if (!plan.work_rkey) return fail(Status(Errc::wrong_state, std::string(call_name_) + ": the output is not registered for direct gather"));
+    std::memcpy(advert_.get(), &plan.work, 8);
+    std::memcpy(advert_.get() + 8, &plan.work_rkey, 4);
+    std::memset(advert_.get() + 12, 0, 4);
+    uint64_t sequence = 0;
+    if (Status s = send(prev, advert_.get(), advert_mr_->lkey(), 16, &sequence); !s.ok()) return s;
+  }
+  // next's first message of the call says where its work is (with two
+  // ranks it comes before that rank's data, so it is taken first).
+  auto take_next_work = [&]() -> Status {
+    auto incoming = receive(next, 16);
+    if (!incoming) return incoming.status();
+    std::memcpy(&next_work, *incoming, 8);
+    std::memcpy(&next_rkey, *incoming + 8, 4);
+    have_next_work = true;
+    if (next_work == 0 || next_rkey == 0)
+      return fail(Status(Errc::protocol_error, std::string(call_name_) + ": rank " + std::to_string(next.rank) + " sent no output buffer for direct gather"));
+    return release(next);
+  };
   const size_t chunk_elements = options_.chunk_bytes / element_;
   auto chunks = [&](int segment) { return (plan.count[size_t(segment)] + chunk_elements - 1) / chunk_elements; };
   auto chunk_bytes = [&](int segment, size_t k) {
@@ -1384,12 +1447,15 @@ Status Comm::ring(const RingPlan& plan) {
     uint32_t lkey;
     size_t bytes;
     size_t chunk_id;
+    bool gather;           // sent in a gather step: into next's work where the pair allows it
+    size_t work_offset;    // bytes into work where the chunk belongs
   };
   std::deque<Outgoing> outgoing;
   const int first_segment = ((rank_ - plan.first_step - 1) % n + n) % n;
   for (size_t k = 0; k < chunks(first_segment); ++k)
     outgoing.push_back({plan.first_source + k * chunk_elements * element_, plan.first_lkey, chunk_bytes(first_segment, k),
-                        size_t(first_segment) * max_chunks + k});
+                        size_t(first_segment) * max_chunks + k, plan.first_step >= n - 1,
+                        (plan.offset[size_t(first_segment)] + k * chunk_elements) * element_});
 
   int step = plan.first_step;
   size_t k = 0;
@@ -1401,13 +1467,21 @@ Status Comm::ring(const RingPlan& plan) {
     bool did = false;
     while (!outgoing.empty() && can_post(next)) {
       const Outgoing o = outgoing.front();
+      const bool direct = o.gather && into_next;
+      if (direct && !have_next_work)
+        if (Status s = take_next_work(); !s.ok()) return s;
       outgoing.pop_front();
       uint64_t sequence = 0;
-      if (Status s = send(next, o.source, o.lkey, o.bytes, &sequence); !s.ok()) return s;
+      if (Status s = send(next, o.source, o.lkey, o.bytes, &sequence, direct ? next_work + o.work_offset : 0, direct ? next_rkey : 0); !s.ok())
+        return s;
       read_by[o.chunk_id] = sequence;
       did = true;
     }
     if (step <= plan.last_step && prev.has_arrival()) {
+      if (&prev == &next && !have_next_work) {
+        if (Status s = take_next_work(); !s.ok()) return s;
+        continue;
+      }
       const int segment = received_segment(step);
       const size_t bytes = chunk_bytes(segment, k);
       auto incoming = receive(prev, bytes);
@@ -1421,11 +1495,14 @@ Status Comm::ring(const RingPlan& plan) {
       if (reducing) {
         detail::reduce(type_, op_, destination, plan.contribution + element_offset * element_, *incoming, bytes / element_);
         if (step == n - 2 && op_ == ReduceOp::avg) detail::divide(type_, destination, bytes / element_, n);
+      } else if (into_us) {
+        counters_.bytes_gathered_in_place += bytes;  // prev wrote it where it belongs
       } else {
         std::memcpy(destination, *incoming, bytes);
       }
       if (Status s = release(prev); !s.ok()) return s;
-      if (step < plan.last_step) outgoing.push_back({destination, plan.work_lkey, bytes, id});
+      if (step < plan.last_step)
+        outgoing.push_back({destination, plan.work_lkey, bytes, id, step + 1 >= n - 1, element_offset * element_});
       if (++k == chunks(segment)) {
         k = 0;
         ++step;
@@ -1436,6 +1513,9 @@ Status Comm::ring(const RingPlan& plan) {
     if (!did)
       if (Status s = pump(step <= plan.last_step ? &prev : &next, step <= plan.last_step ? "data" : "credits"); !s.ok()) return s;
   }
+  // Every segment empty for us to send: next's message is still to be taken.
+  if (!have_next_work)
+    if (Status s = take_next_work(); !s.ok()) return s;
   return {};
 }
 
@@ -1544,10 +1624,11 @@ Status Comm::allreduce(const void* send, void* recv, size_t count, DataType type
     if (send != recv) std::memmove(recv, send, bytes);
     return {};
   }
-  auto recv_mr = register_range(recv, bytes);
-  if (!recv_mr) return fail(recv_mr.status());
   const bool small = options_.allreduce_algorithm == AllreduceAlgorithm::recursive_doubling ||
                      (options_.allreduce_algorithm == AllreduceAlgorithm::automatic && bytes <= options_.small_message_bytes);
+  // The ring's gather steps may write into recv from the previous rank.
+  auto recv_mr = register_range(recv, bytes, !small && options_.direct_gather);
+  if (!recv_mr) return fail(recv_mr.status());
   if (small) {
     if (send != recv) std::memcpy(recv, send, bytes);
     return end_call(recursive_doubling(static_cast<uint8_t*>(recv), recv_mr->lkey(), count));
@@ -1562,6 +1643,7 @@ Status Comm::allreduce(const void* send, void* recv, size_t count, DataType type
   plan.contribution = static_cast<const uint8_t*>(send);
   plan.work = static_cast<uint8_t*>(recv);
   plan.work_lkey = recv_mr->lkey();
+  plan.work_rkey = recv_mr->rkey();
   plan.first_step = 0;
   plan.last_step = 2 * size_ - 3;
   for (int s = 0; s < size_; ++s) {
@@ -1626,11 +1708,12 @@ Status Comm::allgather(const void* send, void* recv, size_t send_count, DataType
   if (send_count == 0) return {};
   if (in != own) std::memcpy(own, in, block);
   if (size_ == 1) return {};
-  auto recv_mr = register_range(recv, total);
+  auto recv_mr = register_range(recv, total, options_.direct_gather);
   if (!recv_mr) return fail(recv_mr.status());
   RingPlan plan;
   plan.work = out;
   plan.work_lkey = recv_mr->lkey();
+  plan.work_rkey = recv_mr->rkey();
   plan.first_step = size_ - 1;
   plan.last_step = 2 * size_ - 3;
   for (int s = 0; s < size_; ++s) {

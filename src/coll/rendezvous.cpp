@@ -78,6 +78,9 @@ Result<int> check_hello(const json& h, int world, const json& reference) {
   }
   if (world > 1)
     if (auto rkey = control::read_unsigned(h, "landing_rkey", 0, UINT32_MAX); !rkey) return malformed(r, rkey.status().message());
+  // Whether it allows direct gather (absent: a rank that predates it, no).
+  if (const auto direct = h.find("direct_gather"); direct != h.end() && !direct->is_boolean())
+    return malformed(r, "'direct_gather' is not true or false");
   // Its shared-memory segment, which ranks on its host will map: a name of
   // Stellar's shape (nothing else under /dev/shm) and the token its header holds.
   if (const auto shm = h.find("shm"); shm != h.end() && !shm->is_null()) {

@@ -362,6 +362,62 @@ TEST(Collectives, StripedOverThreeQpsPerPeerUnderInjectedFaults) {
   expect_all_zero(run_ranks(3, [](Communicator& c, int) { return exercise_all(c, {1, 7, 3001, 40000, 100003}, false); }, striped));
 }
 
+// Direct gather: an allreduce and an allgather of int32 (exact sums), in
+// place and out of place, large enough for the ring; `expect_in_place` says
+// whether the previous rank writes this rank's gather chunks straight into
+// its output (CommunicatorCounters::bytes_gathered_in_place) or not.
+int gather_directly(Communicator& comm, bool expect_in_place) {
+  const int world = comm.size(), rank = comm.rank();
+  const size_t count = 100003;  // over the recursive-doubling threshold, odd, many 8 KiB chunks
+  std::vector<int32_t> input(count), output(count), in_place(count);
+  for (size_t i = 0; i < count; ++i) in_place[i] = input[i] = int32_t(i % 1000) * (rank + 1) - rank;
+  if (!comm.allreduce(input.data(), output.data(), count, DataType::int32, ReduceOp::sum).ok()) return 1;
+  if (!comm.allreduce(in_place.data(), in_place.data(), count, DataType::int32, ReduceOp::sum).ok()) return 2;
+  for (size_t i = 0; i < count; ++i) {
+    int64_t expected = 0;
+    for (int r = 0; r < world; ++r) expected += int64_t(i % 1000) * (r + 1) - r;
+    if (output[i] != expected || in_place[i] != expected) return 3;
+  }
+  const size_t block = 30011;
+  std::vector<int32_t> mine(block), gathered(block * size_t(world));
+  for (size_t i = 0; i < block; ++i) mine[i] = int32_t(i) * 7 + rank * 1000003;
+  if (!comm.allgather(mine.data(), gathered.data(), block, DataType::int32).ok()) return 4;
+  for (int r = 0; r < world; ++r)
+    for (size_t i = 0; i < block; ++i)
+      if (gathered[size_t(r) * block + i] != int32_t(i) * 7 + r * 1000003) return 5;
+  const uint64_t in_place_bytes = comm.counters().bytes_gathered_in_place;
+  if (expect_in_place != (in_place_bytes > 0)) {
+    std::fprintf(stderr, "rank %d: %llu bytes gathered in place, expected %s\n", rank, (unsigned long long)in_place_bytes,
+                 expect_in_place ? "some" : "none");
+    return 6;
+  }
+  return 0;
+}
+
+TEST(Collectives, DirectGatherWritesIntoTheOutputWherePairsAllowIt) {
+  // Every pair allows it (the default): every rank's gather chunks land in place.
+  expect_all_zero(run_ranks(3, [](Communicator& c, int) { return gather_directly(c, true); }, small_chunks));
+  expect_all_zero(run_ranks(2, [](Communicator& c, int) { return gather_directly(c, true); }, small_chunks));
+  // Rank 1 refuses: the pairs (0,1) and (1,2) use landing slots, so only
+  // rank 0, whose previous rank is 2, receives in place.
+  auto rank1_refuses = [](CommunicatorOptions& o) {
+    small_chunks(o);
+    if (o.rank == 1) o.direct_gather = false;
+  };
+  expect_all_zero(run_ranks(3, [](Communicator& c, int rank) { return gather_directly(c, rank == 0); }, rank1_refuses));
+  // Under loss, duplication and reordering, and in roce mode (go-back-N).
+  auto faults = [](CommunicatorOptions& o) {
+    small_chunks(o);
+    o.context.faults = FaultOptions{0.02, 0.01, 0.02, 0};
+  };
+  expect_all_zero(run_ranks(3, [](Communicator& c, int) { return gather_directly(c, true); }, faults));
+  auto roce = [](CommunicatorOptions& o) {
+    small_chunks(o);
+    o.context.mode = Mode::roce;
+  };
+  expect_all_zero(run_ranks(2, [](Communicator& c, int) { return gather_directly(c, true); }, roce));
+}
+
 TEST(Collectives, ForcedAlgorithmsAgreeOnNonPowerOfTwoRanks) {
   for (auto algorithm : {AllreduceAlgorithm::ring, AllreduceAlgorithm::recursive_doubling}) {
     auto forced = [algorithm](CommunicatorOptions& o) {
