@@ -491,7 +491,8 @@ class Comm final : public Communicator {
     const uint8_t* contribution = nullptr;  // this rank's input at element offsets (reduce steps)
     uint8_t* work = nullptr;                // partial results and gathered segments
     uint32_t work_lkey = 0;
-    uint32_t work_rkey = 0;                 // registered for remote writes (direct gather), else 0
+    bool work_remote = false;               // registered for remote writes: the previous rank gathers into it
+    uint32_t work_rkey = 0;                 // its rkey then
     uint8_t* own_result = nullptr;          // where segment `rank` ends after the reduce steps (null: work)
     const uint8_t* first_source = nullptr;  // the first step's segment
     uint32_t first_lkey = 0;
@@ -499,6 +500,8 @@ class Comm final : public Communicator {
     int first_step = 0, last_step = 0;      // 0..N-2 reduce, N-1..2N-3 gather
   };
   Status ring(const RingPlan&);
+  // Direct gather: the previous rank writes our gather chunks into our output.
+  bool gathers_into_us() { return size_ > 1 && peer(rank_ - 1).direct && !peer(rank_ - 1).shm; }
   Status recursive_doubling(uint8_t* work, uint32_t lkey, size_t count);
   Status exchange_reduce(Peer& partner, uint8_t* work, uint32_t lkey, size_t count);
   Status send_all(Peer& p, const uint8_t* source, uint32_t lkey, size_t bytes);
@@ -625,6 +628,8 @@ Status Comm::bootstrap(Store* store) {
     auto mr = pd_->register_memory(landing_base_, per_peer * peers, access_local_write | access_remote_write);
     if (!mr) return mr.status();
     landing_mr_ = std::move(*mr);
+  }
+  if (peers && options_.direct_gather) {
     advert_ = allocate(4096);
     if (!advert_) return Status(Errc::resource_exhausted, "communicator: cannot allocate the direct-gather buffer");
     auto advert_mr = pd_->register_memory(advert_.get(), 4096, access_local_write);
@@ -1405,13 +1410,13 @@ Status Comm::ring(const RingPlan& plan) {
   Peer& next = peer(rank_ + 1);
   Peer& prev = peer(rank_ - 1);
   const bool gathers = plan.last_step >= n - 1;
-  const bool into_us = gathers && prev.direct && !prev.shm;    // prev writes into our work
+  const bool into_us = gathers && gathers_into_us();           // prev writes into our work
   const bool into_next = gathers && next.direct && !next.shm;  // we write into next's work
   uint64_t next_work = 0;
   uint32_t next_rkey = 0;
   bool have_next_work = !into_next;
   if (into_us) {
-    if (!plan.work_rkey) return fail(Status(Errc::wrong_state, std::string(call_name_) + ": the output is not registered for direct gather"));
+    if (!plan.work_remote) return fail(Status(Errc::wrong_state, std::string(call_name_) + ": the output is not registered for direct gather"));
     std::memcpy(advert_.get(), &plan.work, 8);
     std::memcpy(advert_.get() + 8, &plan.work_rkey, 4);
     std::memset(advert_.get() + 12, 0, 4);
@@ -1426,7 +1431,7 @@ Status Comm::ring(const RingPlan& plan) {
     std::memcpy(&next_work, *incoming, 8);
     std::memcpy(&next_rkey, *incoming + 8, 4);
     have_next_work = true;
-    if (next_work == 0 || next_rkey == 0)
+    if (next_work == 0)
       return fail(Status(Errc::protocol_error, std::string(call_name_) + ": rank " + std::to_string(next.rank) + " sent no output buffer for direct gather"));
     return release(next);
   };
@@ -1491,6 +1496,8 @@ Status Comm::ring(const RingPlan& plan) {
       const bool reducing = step <= n - 2;
       uint8_t* destination = plan.work + element_offset * element_;
       if (reducing && step == n - 2 && plan.own_result) destination = plan.own_result + k * chunk_elements * element_;
+      // (Also with direct gather, where prev has written it already: by then
+      // the next rank holds that send whole, so this wait is short.)
       else if (Status s = wait_sent(next, read_by[id], "acknowledgement of a forwarded chunk"); !s.ok()) return s;
       if (reducing) {
         detail::reduce(type_, op_, destination, plan.contribution + element_offset * element_, *incoming, bytes / element_);
@@ -1627,7 +1634,7 @@ Status Comm::allreduce(const void* send, void* recv, size_t count, DataType type
   const bool small = options_.allreduce_algorithm == AllreduceAlgorithm::recursive_doubling ||
                      (options_.allreduce_algorithm == AllreduceAlgorithm::automatic && bytes <= options_.small_message_bytes);
   // The ring's gather steps may write into recv from the previous rank.
-  auto recv_mr = register_range(recv, bytes, !small && options_.direct_gather);
+  auto recv_mr = register_range(recv, bytes, !small && gathers_into_us());
   if (!recv_mr) return fail(recv_mr.status());
   if (small) {
     if (send != recv) std::memcpy(recv, send, bytes);
@@ -1643,6 +1650,7 @@ Status Comm::allreduce(const void* send, void* recv, size_t count, DataType type
   plan.contribution = static_cast<const uint8_t*>(send);
   plan.work = static_cast<uint8_t*>(recv);
   plan.work_lkey = recv_mr->lkey();
+  plan.work_remote = !small && gathers_into_us();
   plan.work_rkey = recv_mr->rkey();
   plan.first_step = 0;
   plan.last_step = 2 * size_ - 3;
@@ -1708,11 +1716,12 @@ Status Comm::allgather(const void* send, void* recv, size_t send_count, DataType
   if (send_count == 0) return {};
   if (in != own) std::memcpy(own, in, block);
   if (size_ == 1) return {};
-  auto recv_mr = register_range(recv, total, options_.direct_gather);
+  auto recv_mr = register_range(recv, total, gathers_into_us());
   if (!recv_mr) return fail(recv_mr.status());
   RingPlan plan;
   plan.work = out;
   plan.work_lkey = recv_mr->lkey();
+  plan.work_remote = gathers_into_us();
   plan.work_rkey = recv_mr->rkey();
   plan.first_step = size_ - 1;
   plan.last_step = 2 * size_ - 3;

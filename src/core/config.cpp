@@ -65,7 +65,7 @@ constexpr Variable table[] = {
      "CommunicatorOptions::from_environment, stellar_allreduce"},
     {"STELLAR_COLL_DIRECT", "1", "0 or 1",
      "collectives: a ring's gather steps write straight into the next rank's output buffer; 0 goes through landing slots and a copy",
-     "CommunicatorOptions::from_environment"},
+     "CommunicatorOptions::from_environment, stellar_allreduce"},
     {"STELLAR_NCCL_ADDRESS", "", "IPv4 addresses, comma-separated",
      "NCCL plugin: one device per address; unset: the first non-loopback IPv4 address that is up, else 127.0.0.1",
      "libnccl-net-stellar.so (plugins/nccl)"},

@@ -416,6 +416,21 @@ TEST(Collectives, DirectGatherWritesIntoTheOutputWherePairsAllowIt) {
     o.context.mode = Mode::roce;
   };
   expect_all_zero(run_ranks(2, [](Communicator& c, int) { return gather_directly(c, true); }, roce));
+  // Striped over three QPs per peer: each part lands at its offset.
+  auto striped = [](CommunicatorOptions& o) {
+    o.chunk_bytes = 64 * 1024;
+    o.small_message_bytes = 4096;
+    o.qps_per_peer = 3;
+  };
+  expect_all_zero(run_ranks(3, [](Communicator& c, int) { return gather_directly(c, true); }, striped));
+  // Ranks 0 and 1 share memory, rank 2 stays on the network: only the
+  // network pairs (1,2) and (2,0) write in place, so ranks 2 and 0 receive
+  // in place and rank 1 (whose previous rank, 0, is on shared memory) not.
+  auto mixed = [](CommunicatorOptions& o) {
+    small_chunks(o);
+    o.shared_memory = o.rank != 2;
+  };
+  expect_all_zero(run_ranks(3, [](Communicator& c, int rank) { return gather_directly(c, rank != 1); }, mixed));
 }
 
 TEST(Collectives, ForcedAlgorithmsAgreeOnNonPowerOfTwoRanks) {
