@@ -38,9 +38,13 @@ uint16_t PathSet::choose(uint64_t now, int avoid) {
   // The best path's smoothed RTT, the yardstick of "clean" (REPS) and of
   // the bandit's reward: the minimum RTT ever seen is not, once queues
   // build everywhere.
-  best_srtt_ = 0;
-  for (const Path& q : paths_)
-    if (q.srtt && (best_srtt_ == 0 || q.srtt < best_srtt_)) best_srtt_ = q.srtt;
+  // Only REPS and the bandit read it (on_acknowledged): the scan over every
+  // path is skipped for the others, on each packet's way out.
+  if (ctx_.config.path_policy == PathPolicy::reps || ctx_.config.path_policy == PathPolicy::bandit) {
+    best_srtt_ = 0;
+    for (const Path& q : paths_)
+      if (q.srtt && (best_srtt_ == 0 || q.srtt < best_srtt_)) best_srtt_ = q.srtt;
+  }
   const uint16_t p = pick(now, avoid);
   retransmitting_ = false;
   if (avoid < 0) {
@@ -52,7 +56,7 @@ uint16_t PathSet::choose(uint64_t now, int avoid) {
   // else goes there until the probe is answered (or, never answered,
   // counts as failed after a few RTTs).
   if (q.retired_until != 0) {
-    q.probing = true;
+    set_probing(q, true);
     const uint64_t rtt = q.srtt ? q.srtt + 4 * q.rttvar : (min_rtt_ != never ? 4 * min_rtt_ : 0);
     q.probe_until = now + std::max<uint64_t>(2 * rtt, min_probe_interval_ns);
   }
@@ -62,8 +66,9 @@ uint16_t PathSet::choose(uint64_t now, int avoid) {
 }
 
 uint16_t PathSet::pick(uint64_t now, int avoid) {
-  for (uint16_t i = 0; i < count(); ++i)
-    if (paths_[i].probing && paths_[i].probe_until <= now) retire(i, now);
+  if (probing_count_ > 0)
+    for (uint16_t i = 0; i < count(); ++i)
+      if (paths_[i].probing && paths_[i].probe_until <= now) retire(i, now);
   switch (ctx_.config.path_policy) {
     case PathPolicy::oblivious: return pick_oblivious(now, avoid);
     case PathPolicy::reps: return pick_reps(now, avoid);
@@ -173,7 +178,7 @@ void PathSet::on_acknowledged(uint16_t path, uint64_t now, uint64_t rtt) {
   // Anything acknowledged proves the path works (both directions: the ACK
   // came back on the same path index): it is back in use.
   p.retired_until = 0;
-  p.probing = false;
+  set_probing(p, false);
   p.backoff = 0;
   if (rtt == 0) return;
   if (p.srtt == 0) {
@@ -259,7 +264,7 @@ bool PathSet::worse_than_others(uint16_t path) const {
 
 void PathSet::retire(uint16_t path, uint64_t now) {
   Path& p = paths_[path];
-  p.probing = false;
+  set_probing(p, false);
   if (p.retired_until > now) return;  // already out: its older packets' losses say nothing new
   const uint64_t rtt = p.srtt ? p.srtt : (min_rtt_ != never ? min_rtt_ : 0);
   const uint64_t base = std::max<uint64_t>(4 * rtt, min_probe_interval_ns);

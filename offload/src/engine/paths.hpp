@@ -85,6 +85,7 @@ class PathSet {
       p.probing = false;
       p.probe_until = 0;
     }
+    probing_count_ = 0;
   }
 
  private:
@@ -106,6 +107,14 @@ class PathSet {
     uint64_t sent = 0, acknowledged = 0, lost = 0, retirements = 0, marked = 0;
   };
 
+  // Path::probing changes only here, so that pick() can skip its scan for
+  // expired probes while none is out.
+  void set_probing(Path& p, bool on) {
+    if (p.probing == on) return;
+    p.probing = on;
+    if (on) ++probing_count_;
+    else --probing_count_;
+  }
   bool usable(const Path& p, uint64_t now) const {
     return p.retired_until <= now && !p.probing && !(retransmitting_ && p.retired_until != 0);
   }
@@ -133,7 +142,8 @@ class PathSet {
   std::vector<uint16_t> recycled_;    // REPS: paths whose packets came back clean, ring
   uint32_t recycled_head_ = 0, recycled_count_ = 0;
   uint64_t min_rtt_ = never;          // over every path
-  uint64_t best_srtt_ = 0;            // the lowest smoothed RTT of any path (at the last choice)
+  uint64_t best_srtt_ = 0;            // the lowest smoothed RTT of any path (at the last choice; REPS and bandit only)
+  uint16_t probing_count_ = 0;        // paths with Path::probing set
   uint64_t total_pulls_ = 0;
   uint64_t state_;
 };
