@@ -602,7 +602,9 @@ bool EngineHost::progress_round_locked(uint64_t now, bool& more) {
       if (r == Placed::none) break;  // the socket is empty
       if (expecting_) continue;      // more of the stream: another round
     }
-    const int n = socket_.receive_batch(rx_, rx_batch);
+    const bool fresh = now - last_poll_ns_ < fresh_poll_ns;
+    last_poll_ns_ = now;
+    const int n = socket_.receive_batch(rx_, rx_batch, fresh);
     if (n == 0) break;
     work = true;
     ++receive_calls_;

@@ -219,6 +219,11 @@ class EngineHost final : public Host {
   uint64_t follow_checked_ = 0;   // when follow_address_locked last looked
   uint64_t follow_logged_ = 0;    // when a failed rebind was last reported
   uint64_t timers_due_ = 0;       // address_timers_locked's next run
+  // When the socket was last polled (progress_round_locked's `now`): a poll
+  // within fresh_poll_ns of the last one is busy-polling, and a datagram it
+  // finds arrived at most that long ago (UdpSocket::receive_batch, fresh).
+  uint64_t last_poll_ns_ = 0;
+  static constexpr uint64_t fresh_poll_ns = 2'000;
   uint64_t moved_at_ = 0;         // the last rebind, until the first acknowledgement after it
   uint64_t last_move_ns_ = 0;     // HostCounters::last_move_ns
   bool address_suspect_ = false;  // a send failed as if our address were gone

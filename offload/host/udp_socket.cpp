@@ -145,12 +145,15 @@ std::optional<SocketError> UdpSocket::open(const std::string& address, uint16_t 
 
 void UdpSocket::set_gro(bool on) {
   const int value = on ? 1 : 0;
-  if (setsockopt(fd_, IPPROTO_UDP, UDP_GRO, &value, sizeof value) == 0) gro_ = on;
+  if (setsockopt(fd_, IPPROTO_UDP, UDP_GRO, &value, sizeof value) == 0) {
+    if (gro_ && !on) gro_draining_ = true;  // until a receive with control messages finds the queue empty
+    gro_ = on;
+  }
   quiet_receives_ = 0;
   prepared_ = nullptr;  // control buffers change with GRO
 }
 
-int UdpSocket::receive_batch(Datagram* batch, int count) {
+int UdpSocket::receive_batch(Datagram* batch, int count, bool fresh) {
   count = std::min(count, max_batch);
   // Busy-polling calls this millions of times mostly to find nothing: build
   // the headers once per batch array, then reset only what the kernel writes.
@@ -167,7 +170,8 @@ int UdpSocket::receive_batch(Datagram* batch, int count) {
     prepared_ = batch;
     prepared_count_ = count;
   }
-  for (int i = 0; i < count; ++i) {
+  // Sparse (ping-pong): one message per call, so only the first is reset.
+  for (int i = 0, used = sparse_ ? 1 : count; i < used; ++i) {
     msghdr& h = rx_messages_[size_t(i)].msg_hdr;
     h.msg_namelen = sizeof(sockaddr_in);
     h.msg_controllen = control_bytes;  // always: a coalesced datagram may still be queued after GRO went off
@@ -175,16 +179,40 @@ int UdpSocket::receive_batch(Datagram* batch, int count) {
   // When traffic is sparse (ping-pong), plain recvmsg is cheaper than
   // recvmmsg; switch to batches as soon as one datagram was waiting.
   int n;
+  if (metadata_calls_ > 0) --metadata_calls_;
+  const bool lean = sparse_ && fresh && !gro_ && !gro_draining_ && metadata_calls_ == 0 &&
+                    !(ecn_ && ++lean_calls_ % ecn_sample_calls == 0);
+  if (lean) {
+    // MSG_TRUNC: the datagram's real length, so that one larger than the
+    // buffer is reported truncated (and dropped) as recvmsg would.
+    Datagram& d = batch[0];
+    socklen_t name_length = sizeof(sockaddr_in);
+    const ssize_t r = ::recvfrom(fd_, d.data, d.capacity, MSG_DONTWAIT | MSG_TRUNC, reinterpret_cast<sockaddr*>(&d.peer), &name_length);
+    if (r < 0) {
+      sparse_ = true;
+      return 0;
+    }
+    d.length = uint32_t(r) > d.capacity ? 0 : uint32_t(r);
+    d.segment_size = 0;
+    d.arrival_realtime_ns = 0;
+    d.congestion_mark = false;
+    sparse_ = false;  // as after any lone datagram: the next call looks for a batch
+    return 1;
+  }
   if (sparse_) {
     const ssize_t r = ::recvmsg(fd_, &rx_messages_[0].msg_hdr, MSG_DONTWAIT);
     n = r < 0 ? 0 : 1;
     if (n) rx_messages_[0].msg_len = unsigned(r);
+    else if (errno == EAGAIN) gro_draining_ = false;
   } else {
-    n = std::max(0, ::recvmmsg(fd_, rx_messages_.data(), unsigned(count), MSG_DONTWAIT, nullptr));
+    const int r = ::recvmmsg(fd_, rx_messages_.data(), unsigned(count), MSG_DONTWAIT, nullptr);
+    n = std::max(0, r);
+    if (r < 0 && errno == EAGAIN) gro_draining_ = false;
   }
   uint32_t datagrams = 0;  // GRO may pack many datagrams into one message
   for (int i = 0; i < n; ++i) {
     finish_received(rx_messages_[size_t(i)].msg_hdr, rx_messages_[size_t(i)].msg_len, batch[i]);
+    if (batch[i].congestion_mark) metadata_calls_ = ecn_watch_calls;
     datagrams += batch[i].segment_size ? (batch[i].length + batch[i].segment_size - 1) / batch[i].segment_size : 1;
   }
   sparse_ = datagrams <= 1 && !sparse_ ? true : datagrams == 0;
@@ -325,9 +353,15 @@ int UdpSocket::send_batch(Datagram* batch, int count, int& error) {
         for (int k = 1; k < sizes[m]; ++k) fixup_(batch[firsts[m] + k], to_segments ? 0 : uint32_t(k), to_segments ? uint32_t(k) : 0);
     };
     if (fixup_) fix(true);
-    // One message (a ping-pong's usual case) costs less through sendmsg.
-    const int n = messages == 1 ? (::sendmsg(fd_, &messages_[0].msg_hdr, MSG_DONTWAIT) >= 0 ? 1 : -1)
-                                : ::sendmmsg(fd_, messages_.data(), unsigned(messages), MSG_DONTWAIT);
+    // One message (a ping-pong's usual case) costs less through sendmsg,
+    // and one contiguous datagram without control messages less again
+    // through sendto (no msghdr or iovec to copy in).
+    const msghdr& only = messages_[0].msg_hdr;
+    const int n = messages > 1 ? ::sendmmsg(fd_, messages_.data(), unsigned(messages), MSG_DONTWAIT)
+                  : only.msg_iovlen == 1 && only.msg_controllen == 0
+                      ? (::sendto(fd_, only.msg_iov[0].iov_base, only.msg_iov[0].iov_len, MSG_DONTWAIT,
+                                  static_cast<const sockaddr*>(only.msg_name), only.msg_namelen) >= 0 ? 1 : -1)
+                      : (::sendmsg(fd_, &only, MSG_DONTWAIT) >= 0 ? 1 : -1);
     const int send_errno = errno;
     if (fixup_) fix(false);  // the kernel has copied what it took
     errno = send_errno;
