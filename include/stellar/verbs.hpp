@@ -118,10 +118,10 @@ struct ContextOptions {
   uint16_t udp_port = 0;                   // 0: any free port (roce mode tries 4791 first)
   // Payload bytes per packet, [256, max_mtu]; 0 (the default, or
   // STELLAR_MTU=auto): automatic. Soft provider, stellar mode: the largest
-  // multiple of 4096 (a power of two below 4096), at most max_mtu, whose
-  // datagram fits the MTU of the bound address's interface (61440 on
-  // loopback, 8192 with 9000-byte jumbo frames, 1024 on 1500-byte
-  // Ethernet); roce mode: the same, at most 4096 (RoCE's largest); verbs:
+  // multiple of 256, at most max_mtu, whose datagram fits the MTU of the
+  // bound address's interface (61440 on loopback, 8704 with 9000-byte
+  // jumbo frames, 1280 on 1500-byte Ethernet); roce mode: the largest of
+  // RoCE's MTUs (256 to 4096, powers of two) that fits; verbs:
   // the port's active MTU. Both sides of a QP use the smaller of their
   // two. Context::options() reports the value chosen.
   uint32_t mtu = 0;

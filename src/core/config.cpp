@@ -26,7 +26,7 @@ constexpr Variable table[] = {
     {"STELLAR_ENGINED_SOCKET", "/run/stellar/engined.sock", "path", "the engine daemon's Unix socket (ContextOptions::engined_socket)",
      "Context::open"},
     {"STELLAR_MTU", "auto", "auto or integer 256-61440",
-     "payload bytes per packet (ContextOptions::mtu); auto: the largest multiple of 4096 (below that a power of two) the bound interface's MTU carries (soft: <= 61440 stellar, <= 4096 roce)",
+     "payload bytes per packet (ContextOptions::mtu); auto: the largest payload the bound interface's MTU carries (soft: a multiple of 256 up to 61440 in stellar mode, a RoCE MTU up to 4096 in roce mode)",
      "Context::open"},
     {"STELLAR_PATHS", "16", "integer 1-256",
      "soft provider, stellar mode: paths (UDP source ports) each connection sprays over (ContextOptions::paths)", "Context::open"},

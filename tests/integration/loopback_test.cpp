@@ -1320,8 +1320,9 @@ TEST(Providers, BadFaultEnvironmentIsAnError) {
 }
 
 TEST(Providers, TheAutomaticMtuOnLoopbackIsTheLargestAndAnyLargerOneIsRefused) {
-  // Loopback's 65536-byte MTU: 15 pages a packet in stellar mode, RoCE's
-  // 4096 in roce mode (payload_for_link_mtu, wire_test, has the rule).
+  // Loopback's 65536-byte MTU: 15 pages a packet in stellar mode (the
+  // datagram limit), RoCE's 4096 in roce mode (payload_for_link_mtu,
+  // wire_test, has the rule).
   for (auto [mode, expected] : {std::pair{Mode::stellar, 61440u}, std::pair{Mode::roce, 4096u}}) {
     ContextOptions o;
     o.mode = mode;

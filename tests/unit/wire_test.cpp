@@ -521,16 +521,16 @@ TEST(StellarWire, APacketReceivedInPiecesDecodesAsTheWholeDoes) {
   EXPECT_EQ(decode_placed(buf.data(), header, placed.data(), 4096, nonzero, loopback, pieces), DecodeError::bad_checksum);
 }
 
-TEST(PacketSize, TheLargestPayloadALinkCarriesIsWholePagesUpTo61440) {
+TEST(PacketSize, TheLargestPayloadALinkCarriesIsInMultiplesOf256UpTo61440) {
   // Loopback's 65536 and IPv4's largest datagram: 15 pages, whose datagram
   // (61440 + 96 + 28 = 61564 bytes) fits where 16 pages would not.
   EXPECT_EQ(payload_for_link_mtu(65536, Mode::stellar), 61440u);
   EXPECT_EQ(payload_for_link_mtu(65535, Mode::stellar), 61440u);
-  EXPECT_EQ(payload_for_link_mtu(9000, Mode::stellar), 8192u);   // jumbo frames
+  EXPECT_EQ(payload_for_link_mtu(9000, Mode::stellar), 8704u);   // jumbo frames
   EXPECT_EQ(payload_for_link_mtu(8192 + 124, Mode::stellar), 8192u);
-  EXPECT_EQ(payload_for_link_mtu(8192 + 123, Mode::stellar), 4096u);  // one byte short
-  EXPECT_EQ(payload_for_link_mtu(4000, Mode::stellar), 2048u);   // below a page: powers of two
-  EXPECT_EQ(payload_for_link_mtu(1500, Mode::stellar), 1024u);   // Ethernet
+  EXPECT_EQ(payload_for_link_mtu(8192 + 123, Mode::stellar), 7936u);  // one byte short: the next multiple of 256 down
+  EXPECT_EQ(payload_for_link_mtu(4000, Mode::stellar), 3840u);
+  EXPECT_EQ(payload_for_link_mtu(1500, Mode::stellar), 1280u);   // Ethernet
   EXPECT_EQ(payload_for_link_mtu(576, Mode::stellar), 256u);
   EXPECT_EQ(payload_for_link_mtu(100, Mode::stellar), 256u) << "never below 256 (the bind reports a link that small)";
   // roce mode: RoCE's MTUs, 4096 at most.
@@ -539,8 +539,15 @@ TEST(PacketSize, TheLargestPayloadALinkCarriesIsWholePagesUpTo61440) {
   EXPECT_EQ(payload_for_link_mtu(1500, Mode::roce), 1024u);
   for (uint32_t link = 300; link <= 65536; link += 97) {
     const uint32_t p = payload_for_link_mtu(link, Mode::stellar);
-    EXPECT_TRUE(p % 4096 == 0 || (p < 4096 && (p & (p - 1)) == 0)) << link;
-    if (link >= 256 + 124) EXPECT_LE(p + 124, link) << link;
+    EXPECT_EQ(p % 256, 0u) << link;
+    if (link >= 256 + 124) {
+      EXPECT_LE(p + 124, link) << link;
+      if (p < max_payload_bytes) {
+        EXPECT_GT(p + 256 + 124, link) << link << ": a larger multiple of 256 fits";
+      }
+    }
     EXPECT_LE(p, max_payload_bytes);
+    const uint32_t r = payload_for_link_mtu(link, Mode::roce);
+    EXPECT_TRUE(r >= 256 && r <= 4096 && (r & (r - 1)) == 0) << link;
   }
 }

@@ -1303,8 +1303,8 @@ ContextCounters SoftContext::counters() const {
 
 // ContextOptions::mtu 0: the largest payload whose datagram fits the MTU
 // of the interface that holds `address` (off::payload_for_link_mtu: 61440
-// on loopback, 8192 on 9000-byte jumbo frames, 1024 on 1500-byte
-// Ethernet). Fewer, larger datagrams are most of what the host path costs
+// on loopback, 8704 on 9000-byte jumbo frames, 1280 on 1500-byte
+// Ethernet in stellar mode; RoCE's MTUs in roce mode). Fewer, larger datagrams are most of what the host path costs
 // per byte (docs/wire-format.md has the figures). 4096 when the interface
 // cannot be found (the bind then says why).
 uint32_t automatic_mtu(const std::string& address, Mode mode) {
