@@ -127,13 +127,15 @@ printf "%-48s %10s %10s\n" "stellar WRITE 1 MiB, roce mode, 1% loss" "$cpu_rbl" 
 echo
 echo "Each round on its own (host probe: cross-CPU copy GB/s before and after the round's streams;"
 echo "a round whose two probes differ by more than 2x changed phase in the middle and is marked *)"
-printf "%-6s %15s %9s %9s %11s %13s\n" "round" "probe GB/s" "stellar" "UCX" "bw vs UCX" "CPU vs TCP"
+echo "and its 8 B one-way latencies (measured just before the probe), so that a latency ratio too is read within one phase"
+printf "%-6s %15s %9s %9s %11s %13s %11s %11s %9s\n" "round" "probe GB/s" "stellar" "UCX" "bw vs UCX" "CPU vs TCP" "stellar us" "sockperf us" "lat ratio"
 read -r -a pre_r <<< "${runs[pre]}"; read -r -a post_r <<< "${runs[post]}"
+read -r -a sl_r <<< "${runs[sl]}"; read -r -a sock_r <<< "${runs[sock]}"
 read -r -a sb_r <<< "${runs[sb]}"; read -r -a ucxb_r <<< "${runs[ucxb]}"
 mapfile -t cpu_sb_r < "$work/cpu.sb"; mapfile -t cpu_tcpb_r < "$work/cpu.tcpb"
 for ((r = 0; r < rounds; r++)); do
   u=$(awk -v m="${ucxb_r[r]}" 'BEGIN { printf "%.3f", m * 1048576 / 1e9 }')
   mark=$(awk -v a="${pre_r[r]}" -v b="${post_r[r]}" 'BEGIN { print (a == "n/a" || b == "n/a" || a > 2 * b || b > 2 * a) ? "*" : "" }')
-  printf "%-6s %15s %9s %9s %11s %13s\n" "$((r + 1))$mark" "${pre_r[r]} / ${post_r[r]}" "${sb_r[r]}" "$u" \
-    "$(ratio "${sb_r[r]}" "$u")" "$(ratio "${cpu_sb_r[r]}" "${cpu_tcpb_r[r]}")"
+  printf "%-6s %15s %9s %9s %11s %13s %11s %11s %9s\n" "$((r + 1))$mark" "${pre_r[r]} / ${post_r[r]}" "${sb_r[r]}" "$u" \
+    "$(ratio "${sb_r[r]}" "$u")" "$(ratio "${cpu_sb_r[r]}" "${cpu_tcpb_r[r]}")" "${sl_r[r]}" "${sock_r[r]}" "$(ratio "${sl_r[r]}" "${sock_r[r]}")"
 done
