@@ -38,6 +38,7 @@ struct QpEngine::State final : detail::ErrorHandler {
   detail::LossRecovery recovery;
   detail::Responder responder;
   detail::PacketWriter writer;
+  bool held = false;  // hold_requests
 
   State(const EngineConfig& c, MemoryAccess& m, CompletionSink& s)
       : ctx(c, m, s, *this),
@@ -151,9 +152,9 @@ void QpEngine::receive_decoded(const Header& h, uint64_t now_ns, uint64_t arriva
   if (!s.token_accepted(h)) return;
   ++s.ctx.counters.rx_packets;
   const uint64_t arrival = arrival_ns && arrival_ns <= now_ns ? arrival_ns : now_ns;
-  // Path validation belongs to the host (it owns the addresses); one that
-  // reaches an engine is out of place.
-  if (h.dest_qpn != s.ctx.config.local_qpn || h.pkey != s.ctx.config.pkey || opcode_is_path_validation(h.opcode)) {
+  // Path validation and sizing belong to the host (it owns the addresses
+  // and the socket); one that reaches an engine is out of place.
+  if (h.dest_qpn != s.ctx.config.local_qpn || h.pkey != s.ctx.config.pkey || opcode_is_host_control(h.opcode)) {
     ++s.ctx.counters.unexpected_packets;
     return;
   }
@@ -196,7 +197,7 @@ size_t QpEngine::transmit(TxBuffer* buffers, size_t count, uint64_t now_ns) {
   s.cc->on_tick(now_ns);
   s.requester.on_timers(now_ns);
   size_t n = s.responder.transmit_responses(s.writer, buffers, count);
-  if (!s.ctx.error) n += s.requester.transmit(s.writer, buffers + n, count - n, now_ns);
+  if (!s.ctx.error && !s.held) n += s.requester.transmit(s.writer, buffers + n, count - n, now_ns);
   if (!s.ctx.error) n += s.responder.transmit_ack(s.writer, buffers + n, count - n, now_ns);
   return n;
 }
@@ -205,7 +206,28 @@ uint64_t QpEngine::next_wakeup_ns(uint64_t now_ns) const {
   const State& s = *s_;
   if (s.responder.has_responses()) return now_ns;
   if (s.ctx.error) return never;
+  if (s.held) return s.responder.ack_due();
   return std::min(s.responder.ack_due(), s.requester.next_wakeup_ns(now_ns));
+}
+
+void QpEngine::hold_requests(bool held) { s_->held = held; }
+bool QpEngine::requests_held() const { return s_->held; }
+
+void QpEngine::fail_requests(CompletionStatus status) {
+  State& s = *s_;
+  if (s.ctx.error) return;
+  s.held = false;
+  if (s.requester.outstanding()) s.requester.fail_first(status);
+  else s.enter_error();
+}
+
+bool QpEngine::set_mtu(uint32_t mtu) {
+  State& s = *s_;
+  if (mtu < 256 || mtu > s.ctx.config.mtu || !s.requester.nothing_sent()) return false;
+  s.ctx.config.mtu = mtu;
+  s.cc->set_mtu_bytes(mtu);
+  s.requester.repacketize();
+  return true;
 }
 
 void QpEngine::acknowledge_now(uint64_t now_ns) { s_->responder.acknowledge_now(now_ns); }

@@ -318,6 +318,68 @@ TEST_P(EngineModes, DeadPeerBecomesRetryExceededInBoundedTime) {
   EXPECT_EQ(p.a->counters().timeouts, 6u);
 }
 
+// Path MTU discovery's engine half (the host settles the size with the
+// peer; docs/wire-format.md, "Path MTU"): requests posted while held do not
+// leave; set_mtu cuts them again at the smaller size on both sides, READ
+// responses included, and is refused once anything has been sent.
+TEST(EngineSizing, HeldWorkLeavesInPacketsOfTheSettledSize) {
+  EngineConfig config;
+  config.mtu = 4096;
+  Pair p(Mode::stellar, {}, 71, config);
+  p.a->hold_requests(true);
+  p.b->hold_requests(true);
+  auto src = pattern(10000, 6);
+  std::vector<uint8_t> target(10000, 0), remote = pattern(10000, 7), local(10000, 0);
+  const uint32_t wkey = p.memory_b.add(target.data(), target.size(), access_remote_write);
+  const uint32_t rkey = p.memory_b.add(remote.data(), remote.size(), access_remote_read);
+  SendWork write = make_work(WorkOpcode::rdma_write, 1, src.data(), 10000);
+  write.remote_addr = reinterpret_cast<uint64_t>(target.data());
+  write.rkey = wkey;
+  SendWork read = make_work(WorkOpcode::rdma_read, 2, local.data(), 10000);
+  read.remote_addr = reinterpret_cast<uint64_t>(remote.data());
+  read.rkey = rkey;
+  ASSERT_EQ(p.a->post_send(write, p.now), PostResult::ok);
+  ASSERT_EQ(p.a->post_send(read, p.now), PostResult::ok);
+  EXPECT_EQ(p.a->next_wakeup_ns(p.now), UINT64_MAX) << "held: nothing to wake up for";
+  p.run([] { return false; }, 5'000'000);
+  EXPECT_EQ(p.a->counters().tx_packets, 0u);
+  EXPECT_FALSE(p.a->set_mtu(4096 + 256)) << "never above the agreed size";
+  EXPECT_FALSE(p.a->set_mtu(128));
+  ASSERT_TRUE(p.a->set_mtu(1280));
+  ASSERT_TRUE(p.b->set_mtu(1280));
+  EXPECT_EQ(p.a->config().mtu, 1280u);
+  size_t largest = 0;
+  p.a_to_b.filter = p.b_to_a.filter = [&](const uint8_t*, size_t length) {
+    largest = std::max(largest, length);
+    return false;
+  };
+  p.a->hold_requests(false);
+  p.b->hold_requests(false);
+  ASSERT_TRUE(p.run([&] { return p.cq_a.sends.size() == 2; }));
+  EXPECT_EQ(p.cq_a.sends[0].status, CompletionStatus::success);
+  EXPECT_EQ(p.cq_a.sends[1].status, CompletionStatus::success);
+  EXPECT_EQ(target, src);
+  EXPECT_EQ(local, remote);
+  EXPECT_LE(largest, 1280 + max_header_bytes);
+  EXPECT_GT(largest, 1024u);
+  EXPECT_EQ(p.b->counters().rx_packets, 8u + 1u) << "8 WRITE packets of at most 1280 bytes and the READ request";
+  EXPECT_FALSE(p.a->set_mtu(1024)) << "after the first request: the PSNs are given";
+}
+
+// Sizing that never settled: the oldest request fails as a dead peer's
+// would, the rest are flushed, the QP is in error.
+TEST(EngineSizing, FailedSizingFailsTheHeldWork) {
+  Pair p(Mode::stellar, {}, 72);
+  p.a->hold_requests(true);
+  auto src = pattern(100, 8);
+  for (uint64_t i = 1; i <= 2; ++i) ASSERT_EQ(p.a->post_send(make_work(WorkOpcode::send, i, src.data(), 100), p.now), PostResult::ok);
+  p.a->fail_requests(CompletionStatus::retry_exceeded);
+  ASSERT_EQ(p.cq_a.sends.size(), 2u);
+  EXPECT_EQ(p.cq_a.sends[0].status, CompletionStatus::retry_exceeded);
+  EXPECT_EQ(p.cq_a.sends[1].status, CompletionStatus::work_request_flushed);
+  EXPECT_TRUE(p.a->in_error());
+}
+
 TEST_P(EngineModes, ReceiverNotReadyRecoversOncePosted) {
   Pair p(GetParam(), {}, 41);
   auto src = pattern(9000, 4);

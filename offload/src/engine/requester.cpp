@@ -8,6 +8,20 @@ Requester::Requester(Context& ctx, CongestionControl& cc, LossRecovery& recovery
   send_psn_ = assign_psn_ = acked_upto_ = window_.una;
 }
 
+void Requester::repacketize() {
+  const uint32_t mtu = ctx_.config.mtu;
+  uint32_t psn = window_.una;
+  for (uint32_t k = 0; k < sq_count_; ++k) {
+    SendWqe& w = sq_[(sq_head_ + k) % ctx_.config.max_send_wr];
+    w.first_psn = psn;
+    w.packet_count = is_atomic(w.work.opcode) ? 1 : std::max<uint32_t>(1, uint32_t((uint64_t(w.length) + mtu - 1) / mtu));
+    psn = add(psn, w.packet_count);
+  }
+  assign_psn_ = psn;
+  send_psn_ = window_.una;
+  send_cursor_ = sq_head_;
+}
+
 // A READ is asked for in pieces: piece k covers PSNs [first + k*piece,
 // first + (k+1)*piece). At most half the window (the responder refuses
 // more, and the responses must fit the window with the requests behind

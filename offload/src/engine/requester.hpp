@@ -57,6 +57,14 @@ class Requester {
 
   // ERROR: every queued WQE completes with work_request_flushed.
   void flush();
+  // The oldest WQE completes with `status`; the QP enters ERROR.
+  void fail_first(CompletionStatus status) { fail_head(status); }
+
+  // No request has ever left (QpEngine::set_mtu may still change the size).
+  bool nothing_sent() const { return window_.max_sent == (ctx_.config.send_psn & ctx_.psn.mask) && window_.idle(); }
+  // Gives the queued WQEs their PSNs again, cut at the current
+  // ctx.config.mtu. Only while nothing_sent().
+  void repacketize();
 
  private:
   uint32_t add(uint32_t p, uint32_t n) const { return ctx_.add(p, n); }

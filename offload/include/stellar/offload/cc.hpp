@@ -87,6 +87,9 @@ class CongestionControl {
   virtual uint64_t next_send_time_ns(uint64_t now_ns, uint64_t inflight_bytes, uint32_t bytes) const = 0;
   virtual uint64_t window_bytes() const = 0;  // UINT64_MAX for pure rate controllers
   virtual uint64_t rate_bps() const = 0;      // current pacing rate, line rate for pure window controllers
+  // The connection's packets carry `bytes` of payload from now on (path MTU
+  // discovery settled below the configured size before the first send).
+  virtual void set_mtu_bytes(uint32_t bytes) { (void)bytes; }
 };
 
 // Allocates once (at QP creation); never on the hot path. Returns nullptr for
@@ -183,6 +186,7 @@ class SwiftControl final : public CongestionControl {
   uint64_t next_send_time_ns(uint64_t now_ns, uint64_t inflight_bytes, uint32_t bytes) const override;
   uint64_t window_bytes() const override;
   uint64_t rate_bps() const override;
+  void set_mtu_bytes(uint32_t bytes) override { config_.mtu_bytes = bytes ? bytes : 1; }
 
   // Observers (for tests and counters).
   double window_packets() const { return window_packets_; }

@@ -225,6 +225,11 @@ struct EngineConfig {
   // addresses; packets go without it while tx_addresses is_loopback
   // (Header::unchecked).
   bool loopback_unchecked = false;
+  // stellar mode: both QPs advertised path MTU discovery: their hosts probe
+  // the path and settle the payload size (at most `mtu`) before either side
+  // sends a request (docs/wire-format.md, "Path MTU"). The engine only
+  // holds requests and takes the size (QpEngine::hold_requests, set_mtu).
+  bool size_path = false;
 };
 
 // One datagram to send. Small payloads are copied into `data`; large ones
@@ -383,6 +388,22 @@ class QpEngine {
   // The host's or the peer's address changed (rebind, validated migration):
   // what config().tx_addresses holds from now on.
   void set_tx_addresses(const IcrcAddresses& addresses);
+
+  // Path MTU discovery (the host's, at connection set-up; docs/wire-format.md,
+  // "Path MTU"). While held, no request leaves (posted work queues; ACKs
+  // and responses still go) and the requester asks for no wake-up.
+  void hold_requests(bool held);
+  bool requests_held() const;
+  // Packets carry at most `mtu` payload bytes from now on (256 to the
+  // configured mtu): the queued work is cut into packets of that size.
+  // Only before the first request left (false then, and nothing changes):
+  // both sides must cut every message, READ responses included, alike, so
+  // the host settles the size with the peer before either side sends.
+  bool set_mtu(uint32_t mtu);
+  // The oldest posted send completes with `status`, the rest flushed, and
+  // the QP enters the error state (a host that gave up on its peer before
+  // anything was sent: path sizing that never settled).
+  void fail_requests(CompletionStatus status);
 
   // For a QP being destroyed: its acknowledgement of what it accepted, if one
   // is held back, and nothing else (no requests, no READ responses). What
