@@ -197,12 +197,14 @@ int main(int argc, char** argv) {
         if (w.opcode != WcOpcode::recv_rdma_with_imm) {  // the client's "done"
           const ContextCounters c = context->counters();
           std::printf("stream server: verified %llu chunks (%llu bytes), mismatches %llu; retransmitted %llu timeouts %llu tail_probes %llu "
-                      "paths_retired %llu migrations %llu migrations_rejected %llu address_changes %llu congestion_marks %llu\n",
+                      "paths_retired %llu migrations %llu migrations_rejected %llu address_changes %llu congestion_marks %llu "
+                      "path_mtu_probes %llu path_mtu_lowered %llu\n",
                       (unsigned long long)verified, (unsigned long long)(verified * o.chunk), (unsigned long long)mismatches,
                       (unsigned long long)c.retransmitted_packets, (unsigned long long)c.timeouts, (unsigned long long)c.tail_probes,
                       (unsigned long long)c.paths_retired, (unsigned long long)c.migrations,
                       (unsigned long long)c.migrations_rejected, (unsigned long long)c.address_changes,
-                      (unsigned long long)c.rx_congestion_marks);
+                      (unsigned long long)c.rx_congestion_marks, (unsigned long long)c.path_mtu_probes,
+                      (unsigned long long)c.path_mtu_lowered);
           const auto linger = Clock::now() + std::chrono::milliseconds(200);
           while (Clock::now() < linger) cq->poll(wc);  // let our last credits' acknowledgements cross
           return mismatches ? 1 : 0;
@@ -319,14 +321,17 @@ int main(int argc, char** argv) {
   std::printf("stream: mode %s paths %u policy %s chunk %u chunks %llu bytes %.0f seconds %.3f goodput %.4f GB/s longest_gap_ms %.3f "
               "stalled_ms %.3f stalled_fraction %.5f chunk_p50_ms %.3f chunk_p99_ms %.3f before_split %.4f after_split %.4f "
               "retransmitted %llu timeouts %llu tail_probes %llu paths_retired %llu spurious %llu migrations %llu "
-              "address_changes %llu move_to_ack_ms %.3f congestion_marks %llu local %s\n",
+              "address_changes %llu move_to_ack_ms %.3f congestion_marks %llu path_mtu_probes %llu path_mtu_lowered %llu "
+              "tx_packets %llu tx_bytes %llu local %s\n",
               o.mode.c_str(), o.mode == "roce" ? 1u : unsigned(co.paths), policy, o.chunk, (unsigned long long)written, bytes, seconds,
               bytes / seconds / 1e9, longest_gap * 1000, stalled * 1000, stalled / seconds, p50, p99, before_gbs, after_gbs,
               (unsigned long long)c.retransmitted_packets,
               (unsigned long long)c.timeouts, (unsigned long long)c.tail_probes, (unsigned long long)c.paths_retired,
               (unsigned long long)c.spurious_retransmits, (unsigned long long)c.migrations,
               (unsigned long long)c.address_changes, double(c.last_address_change_ns) / 1e6,
-              (unsigned long long)c.rx_congestion_marks, context->local_address().c_str());
+              (unsigned long long)c.rx_congestion_marks, (unsigned long long)c.path_mtu_probes,
+              (unsigned long long)c.path_mtu_lowered, (unsigned long long)c.tx_packets, (unsigned long long)c.tx_bytes,
+              context->local_address().c_str());
   if (!o.out_json.empty()) {
     nlohmann::json j{{"mode", o.mode},
                      {"paths", o.mode == "roce" ? 1 : co.paths},

@@ -44,6 +44,10 @@
 #                                         "off" removes; LIMIT = queue bytes, default 256kb)
 #   set-link-rate L S RATE [LIMIT]        tbf on both directions of the leaf L–spine S link
 #                                         (leaf's uplink and spine's downlink; "off" removes)
+#   set-mtu L S MTU                       the leaf L–spine S link's MTU (both ends; 9000 at up):
+#                                         a smaller link on the path between jumbo-frame hosts;
+#                                         the routers drop larger DF packets (ICMP "fragmentation
+#                                         needed" goes back, which the soft provider's sockets ignore)
 #   set-mark spine S PCT                  spine S marks PCT% (0.1% steps) of the ECN-capable
 #                                         packets it forwards congestion-experienced (CE): a
 #                                         switch whose queue is past its ECN threshold (this
@@ -319,6 +323,13 @@ cmd_set_link_rate() {
   set_tbf "$(spine "$2")" "to-l$1" "$3" "${4:-256kb}"
 }
 
+cmd_set_mtu() {
+  require_up
+  (($# == 3)) || die "set-mtu L S MTU"
+  ip -n "$(leaf "$1")" link set dev "to-s$2" mtu "$3"
+  ip -n "$(spine "$2")" link set dev "to-l$1" mtu "$3"
+}
+
 cmd_set_rate() {
   require_up
   (($# >= 3)) || die "set-rate L H RATE [LIMIT]"
@@ -377,6 +388,7 @@ case $command in
   set-loss) cmd_set_loss "$@" ;;
   set-rate) cmd_set_rate "$@" ;;
   set-link-rate) cmd_set_link_rate "$@" ;;
+  set-mtu) cmd_set_mtu "$@" ;;
   set-mark) cmd_set_mark "$@" ;;
   counters) cmd_counters ;;
   move-host) cmd_move_host "$@" ;;

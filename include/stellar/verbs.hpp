@@ -150,6 +150,15 @@ struct ContextOptions {
   // now sends from toward the peers, and keep every connection
   // (docs/multipath.md, "Address change"). STELLAR_FOLLOW_ADDRESS=0 turns it off.
   bool follow_address = true;
+  // soft provider, stellar mode: before a connection's first packet, probe
+  // the path to its peer with datagrams of the agreed size (and smaller
+  // ones), and send packets no larger than every path carried: a fabric
+  // with a 1500-byte link between 9000-byte hosts then works at 1280 bytes a
+  // packet instead of losing every full packet (docs/wire-format.md, "Path
+  // MTU"). Costs a few round trips before the first send; never between
+  // loopback addresses or at an agreed MTU of 1280 or less. Both QPs must
+  // have it on. STELLAR_PATH_MTU_DISCOVERY=0 turns it off.
+  bool path_mtu_discovery = true;
   // soft provider, stellar mode: leave the CRC-32C trailer out of packets
   // between two loopback (127.0.0.0/8) addresses when the peer's QP agrees
   // (QpEndpoint::loopback_unchecked). On loopback a datagram goes from
@@ -314,6 +323,11 @@ struct QpEndpoint {
   // peer may leave it out when both ends are on 127.0.0.0/8. Carried as
   // JSON "loopback_unchecked"; absent (an older peer): false.
   bool loopback_unchecked = false;
+  // soft provider, stellar mode: this QP sizes its path before sending
+  // (ContextOptions::path_mtu_discovery); only when both ends say so do the
+  // two probe it (docs/wire-format.md, "Path MTU"). JSON
+  // "path_mtu_discovery"; absent (an older peer): false.
+  bool path_mtu_discovery = false;
 };
 
 // Transport timing of a QP (set at RTR/RTS, like ibv_qp_attr.timeout/retry_cnt).
@@ -454,6 +468,11 @@ struct ContextCounters {
   // first acknowledgement a peer sent to the new address (the peer validated
   // it and answered). 0: no move yet, or no acknowledgement since.
   uint64_t last_address_change_ns = 0;
+  // stellar, path MTU discovery (docs/wire-format.md, "Path MTU"): probes
+  // sent; connections whose path carried less than the MTU both QPs agreed
+  // on (they send smaller packets); connections whose sizing did not settle
+  // within 1 s of work waiting (that work failed with retry_exceeded).
+  uint64_t path_mtu_probes = 0, path_mtu_lowered = 0, path_mtu_failed = 0;
 };
 
 class Context : public std::enable_shared_from_this<Context> {

@@ -109,6 +109,7 @@ AttachRequest attach_request(const off::EngineConfig& c) {
   r.paths = c.paths;
   r.path_policy = uint8_t(c.path_policy);
   r.loopback_unchecked = c.loopback_unchecked ? 1 : 0;
+  r.size_path = c.size_path ? 1 : 0;
   return r;
 }
 
@@ -138,6 +139,7 @@ bool config_from(const AttachRequest& r, uint32_t session_mtu, off::EngineConfig
   if (r.paths < 1 || r.paths > off::max_paths) return bad("paths outside [1, 256]");
   if (r.path_policy > uint8_t(off::PathPolicy::bandit)) return bad("unknown path policy");
   if (r.loopback_unchecked > 1) return bad("loopback_unchecked is not 0 or 1");
+  if (r.size_path > 1) return bad("size_path is not 0 or 1");
   c = off::EngineConfig{};
   c.mode = off::Mode(r.mode);
   c.cc = off::CcAlgorithm(r.cc);
@@ -160,6 +162,7 @@ bool config_from(const AttachRequest& r, uint32_t session_mtu, off::EngineConfig
   c.paths = r.paths;
   c.path_policy = off::PathPolicy(r.path_policy);
   c.loopback_unchecked = r.loopback_unchecked == 1;
+  c.size_path = r.size_path == 1;
   return true;
 }
 

@@ -39,8 +39,10 @@ inline constexpr uint32_t protocol_magic = 0x53544c44;  // "STLD"
 // 3: paths (multipath); 4: address-change counters; 5: traffic class;
 // 6: tenant and credential in the open, job label in the attach;
 // 7: loopback_unchecked in the attach (an older daemon would drop the
-// unchecked packets the library's QPs agreed to)
-inline constexpr uint32_t protocol_version = 7;
+// unchecked packets the library's QPs agreed to); 8: size_path in the
+// attach, path MTU counters in HostCounters (an older daemon would send at
+// once while the peer holds its requests for the sizing)
+inline constexpr uint32_t protocol_version = 8;
 inline constexpr size_t max_message_bytes = 4096;
 inline constexpr int max_message_fds = 2;  // the open's: shared area memfd, the daemon's end of the bell pair
 
@@ -123,7 +125,8 @@ struct AttachRequest {
   // the class orders its packets among the context's QPs, the DSCP marks them.
   uint8_t traffic_class = 0, dscp = 0;
   uint8_t loopback_unchecked = 0;  // EngineConfig::loopback_unchecked (0 or 1)
-  uint8_t pad3[4] = {};
+  uint8_t size_path = 0;           // EngineConfig::size_path (0 or 1)
+  uint8_t pad3[3] = {};
   // The QP's job (JobHints: up to 128 bytes, NUL-terminated), its weight
   // among the tenant's jobs and its step (up to 24 h): the scheduler's
   // label (host::FlowLabel) beside the class.

@@ -14,6 +14,8 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
+#include <cstring>
+#include <iterator>
 
 namespace stellar::host {
 
@@ -96,6 +98,27 @@ struct EngineHost::Engine final : Host::Engine {
   bool announcing = false;
   uint64_t next_announce = 0;
   uint32_t announcements = 0;
+  // Path MTU discovery (docs/wire-format.md, "Path MTU"). The leader (the
+  // larger connection token) probes every path index with datagrams padded
+  // to each candidate size and an unpadded one, takes the largest size
+  // every answering path carried, applies it and sends it to the follower
+  // until acknowledged; the follower answers probes and takes the size.
+  // Both hold their requests until then.
+  struct Sizing {
+    enum class Role : uint8_t { none, leader, follower };
+    Role role = Role::none;
+    bool decided = false;           // leader: the decision is out (awaiting its acknowledgement)
+    uint64_t nonce = 0;             // leader: echoed by every answer
+    uint32_t sizes[5] = {};         // leader: candidate payload sizes, largest first
+    uint32_t size_count = 0;
+    std::vector<uint8_t> answered;  // leader, per path index: bit k sizes[k] came back, bit 7 the unpadded probe
+    uint32_t rounds = 0;            // leader: rounds sent
+    uint32_t rounds_heard = 0;      // leader: rounds since the first answer
+    uint64_t round_sent_ns = 0;     // leader: when the latest round left
+    uint64_t interval_ns = 0;       // leader: between rounds
+    uint64_t next_ns = 0;           // leader: the next round
+    uint64_t waiting_since = 0;     // work posted while held: since when (0: none waits)
+  } sizing;
 };
 
 namespace {
@@ -115,6 +138,22 @@ constexpr uint64_t abandoned_lifetime_ns = 100'000'000;  // a given-up challenge
 // The kernel's address notifications are read at most this often (one
 // non-blocking recv), so that busy polling does not pay a syscall per round.
 constexpr uint64_t netlink_interval_ns = 250'000;
+// Path MTU discovery. Sizes a connection probes, below the MTU both QPs
+// agreed on: the payloads of 9000-byte jumbo frames, of a 4200-byte RoCE
+// fabric's MTU, of 1500-byte Ethernet and of IPv4's 576-byte minimum.
+// A path that answered the unpadded probe but none of these sends 256.
+constexpr uint32_t sizing_ladder[] = {8704, 3840, 1280, 256 + 128};
+// At or below this agreed size no sizing runs: 1500-byte Ethernet, which
+// every IPv4 path in a data centre carries, is assumed.
+constexpr uint32_t sizing_floor = 1280;
+constexpr uint32_t sizing_rounds_after_heard = 4;  // rounds a size has to come back once the peer answers
+constexpr uint64_t sizing_first_interval_ns = 250'000;
+constexpr uint64_t sizing_max_interval_ns = 20'000'000;  // a peer not yet up is asked at least this often
+constexpr uint64_t sizing_max_heard_interval_ns = 5'000'000;  // once it answers, rounds at least this often
+// Work posted while a connection sizes its path waits at most this long
+// (for a peer that never answers, or answers and never acknowledges the
+// decision); then it fails as a dead peer's does (retry_exceeded).
+constexpr uint64_t sizing_timeout_ns = 1'000'000'000;
 
 uint64_t random64() {
   uint64_t v = 0;
@@ -264,6 +303,7 @@ Host::Engine* EngineHost::attach_locked(const off::EngineConfig& config, const s
   flow_engines_[e->flow] = e.get();
   Engine* handle = e.get();
   engines_[handle->key] = std::move(e);
+  start_sizing(*handle, monotonic_ns());
   return handle;
 }
 
@@ -291,11 +331,17 @@ void EngineHost::detach_locked(Host::Engine* handle) {
   sched().remove(e->flow);
   flow_engines_[e->flow] = nullptr;
   if (expecting_ == e) expecting_ = nullptr;
+  if (e->sizing.role != Engine::Sizing::Role::none) --sizing_engines_;
   engines_.erase(e->key);
 }
 
-off::PostResult EngineHost::post_send_locked(Host::Engine* e, const off::SendWork& w, uint64_t now_ns) {
-  return own(e)->engine.post_send(w, now_ns);
+off::PostResult EngineHost::post_send_locked(Host::Engine* handle, const off::SendWork& w, uint64_t now_ns) {
+  Engine& e = *own(handle);
+  const off::PostResult r = e.engine.post_send(w, now_ns);
+  // Held while the path is sized: the time limit runs from the first work that waits.
+  if (r == off::PostResult::ok && e.sizing.role != Engine::Sizing::Role::none && e.sizing.waiting_since == 0)
+    e.sizing.waiting_since = now_ns ? now_ns : 1;
+  return r;
 }
 off::PostResult EngineHost::post_receive_locked(Host::Engine* e, const off::ReceiveWork& r) { return own(e)->engine.post_receive(r); }
 bool EngineHost::set_ready_locked(Host::Engine* e, uint64_t wr_id, uint32_t bytes) { return own(e)->engine.set_ready(wr_id, bytes); }
@@ -442,15 +488,29 @@ void EngineHost::deliver_datagram(const Datagram& d, uint32_t from_byte, uint64_
         on_path_validation(e, from, data, length, now);
         continue;
       }
+      if (off::opcode_is_path_sizing(data[2])) {
+        on_path_sizing(e, from, data, length, now, arrival);
+        continue;
+      }
       if (!same_address(e.peer, from)) {
         on_unvalidated(e, from, data, length, now, arrival, d.congestion_mark);
         continue;
       }
+
     } else if (!same_address(e.peer, from) || e.peer.sin_port != from.sin_port) {
       ++unknown_qp_;  // roce: not from its peer's address and port
       continue;
     }
     heard_from(e, data, arrival);
+    if (e.sizing.role == Engine::Sizing::Role::leader && e.sizing.decided) {
+      // A leader whose decision's acknowledgement was lost: the follower
+      // sends only once it took the size, so a packet of its that the
+      // engine takes (the token checked) acknowledges the decision.
+      const uint64_t taken = e.engine.counters().rx_packets;
+      e.engine.receive(data, length, e.rx_addresses, now, arrival, d.congestion_mark);
+      if (e.engine.counters().rx_packets != taken) finish_sizing(e, now);
+      continue;
+    }
     e.engine.receive(data, length, e.rx_addresses, now, arrival, d.congestion_mark);
     if (options_.mode == off::Mode::stellar && off::opcode_is_write(data[2])) note_expectation(e);
   }
@@ -638,6 +698,7 @@ bool EngineHost::progress_round_locked(uint64_t now, bool& more) {
       address_timers_locked(now);
       timers_due_ = now + min_challenge_interval_ns / 2;
     }
+    if (sizing_engines_ && sizing_due_ <= now) sizing_timers_locked(now);
   }
   return work;
 }
@@ -799,6 +860,227 @@ void EngineHost::address_timers_locked(uint64_t now) {
   }
 }
 
+// ---- path MTU discovery ----
+
+void EngineHost::start_sizing(Engine& e, uint64_t now) {
+  const off::EngineConfig& c = e.engine.config();
+  // Between loopback addresses the datagram never meets a link: the bound
+  // interface's MTU is the path's. Equal tokens (never drawn in practice)
+  // would make both sides leaders: both keep the agreed size, as before.
+  if (options_.mode != off::Mode::stellar || !c.size_path || c.mtu <= sizing_floor || off::is_loopback(c.tx_addresses) ||
+      c.local_token == c.remote_token)
+    return;
+  Engine::Sizing& z = e.sizing;
+  z.role = c.local_token > c.remote_token ? Engine::Sizing::Role::leader : Engine::Sizing::Role::follower;
+  e.engine.hold_requests(true);
+  ++sizing_engines_;
+  if (z.role == Engine::Sizing::Role::follower) {
+    // The follower only answers; its own clock is the time limit's.
+    z.next_ns = now + sizing_max_interval_ns;
+    sizing_due_ = std::min(sizing_due_, z.next_ns);
+    return;
+  }
+  z.nonce = random64();
+  z.sizes[z.size_count++] = c.mtu;
+  for (uint32_t s : sizing_ladder)
+    if (s < c.mtu && z.size_count < std::size(z.sizes)) z.sizes[z.size_count++] = s;
+  z.answered.assign(c.paths, 0);
+  z.interval_ns = sizing_first_interval_ns;
+  if (sizing_buffer_.size() < size_t(c.mtu) + off::max_header_bytes) sizing_buffer_.assign(size_t(c.mtu) + off::max_header_bytes, 0);
+  sizing_round(e, now);
+}
+
+void EngineHost::send_sizing(const Engine& e, uint16_t path, uint8_t opcode, uint64_t nonce, uint32_t size, bool set,
+                             uint32_t datagram_bytes) {
+  const off::EngineConfig& c = e.engine.config();
+  off::Header h;
+  h.opcode = opcode;
+  h.pkey = c.pkey;
+  h.dest_qpn = c.remote_qpn;
+  h.token = c.remote_token;  // as authentic as any packet of ours
+  h.path = path;
+  h.challenge = nonce;
+  h.size_bytes = size;
+  h.size_set = set;
+  const size_t header = off::encoded_header_bytes(off::Mode::stellar, h);
+  // Padded to what a data packet of `size` payload bytes and the largest
+  // headers would be: what the path has to carry. The padding is zeros.
+  h.payload_length = datagram_bytes > header ? uint32_t(datagram_bytes - header) : 0;
+  if (sizing_buffer_.size() < header + h.payload_length) sizing_buffer_.assign(header + h.payload_length, 0);
+  std::memset(sizing_buffer_.data() + off::payload_offset(off::Mode::stellar, h), 0, h.payload_length);
+  const size_t n = off::encode(off::Mode::stellar, h, sizing_buffer_.data(), sizing_buffer_.size(), c.tx_addresses);
+  // To the peer's receiving socket, from the socket this path's data leaves
+  // from: the probe crosses the route (ECMP hash) the data will take, and
+  // so does the answer, which leaves from the peer's socket of that path.
+  Datagram d{sizing_buffer_.data(), uint32_t(sizing_buffer_.size()), uint32_t(n), e.peer, 0};
+  d.tos = e.tos;
+  int error = 0;
+  UdpSocket& socket = path_socket(path);
+  if (n == 0 || socket.send_batch(&d, 1, error) != 1) ++send_errors_;
+  if (socket.take_address_error()) address_suspect_ = true;
+  ++mtu_probes_;
+}
+
+void EngineHost::sizing_round(Engine& e, uint64_t now) {
+  Engine::Sizing& z = e.sizing;
+  if (z.decided) {
+    send_sizing(e, 0, off::opcode::path_size, z.nonce, e.engine.config().mtu, true, 0);
+  } else {
+    const uint16_t paths = uint16_t(z.answered.size());
+    for (uint16_t p = 0; p < paths; ++p) {
+      if (!(z.answered[p] & 0x80)) send_sizing(e, p, off::opcode::path_size, z.nonce, 0, false, 0);
+      for (uint32_t k = 0; k < z.size_count; ++k)
+        if (!(z.answered[p] & (1u << k)))
+          send_sizing(e, p, off::opcode::path_size, z.nonce, z.sizes[k], false, z.sizes[k] + uint32_t(off::max_header_bytes));
+    }
+    if (z.rounds_heard > 0) ++z.rounds_heard;
+  }
+  ++z.rounds;
+  z.round_sent_ns = now;
+  // Until the peer answers (it may not be up yet) the rounds slow down;
+  // once it has, they come every few round trips.
+  if (z.rounds_heard == 0 && !z.decided) z.interval_ns = std::min(z.interval_ns * 2, sizing_max_interval_ns);
+  z.next_ns = now + z.interval_ns;
+  sizing_due_ = std::min(sizing_due_, z.next_ns);
+}
+
+void EngineHost::decide_size(Engine& e, uint32_t size, uint64_t now) {
+  Engine::Sizing& z = e.sizing;
+  const uint32_t agreed = e.engine.config().mtu;
+  e.engine.set_mtu(size);
+  if (size < agreed) ++mtu_lowered_;
+  z.decided = true;
+  z.nonce = random64();  // the decision's own: an answer to a probe cannot acknowledge it
+  sizing_round(e, now);
+}
+
+void EngineHost::finish_sizing(Engine& e, uint64_t now) {
+  e.sizing = Engine::Sizing{};
+  --sizing_engines_;
+  e.engine.hold_requests(false);
+  if (e.engine.next_wakeup_ns(now) <= now) {
+    auto held = hold_scheduler();
+    sched().ready(e.flow, now);
+  }
+}
+
+void EngineHost::on_path_sizing(Engine& e, const sockaddr_in& from, const uint8_t* data, uint32_t length, uint64_t now,
+                                uint64_t arrival) {
+  off::Header h;
+  if (off::decode(off::Mode::stellar, data, length, e.rx_addresses, h) != off::DecodeError::none) {
+    ++malformed_;
+    return;
+  }
+  if (h.token != e.engine.config().local_token || !same_address(e.peer, from)) {
+    ++unknown_qp_;  // not from the connection's peer
+    return;
+  }
+  Engine::Sizing& z = e.sizing;
+  const off::EngineConfig& c = e.engine.config();
+  if (h.opcode == off::opcode::path_size) {
+    if (h.size_set) {
+      // The leader's decision: at most what both QPs agreed on. Taken once
+      // (set_mtu refuses after the first request), acknowledged each time.
+      if (h.size_bytes < 256 || h.size_bytes > c.mtu) {
+        ++malformed_;
+        return;
+      }
+      if (z.role == Engine::Sizing::Role::follower) {
+        const uint32_t agreed = c.mtu;
+        if (e.engine.set_mtu(h.size_bytes) && h.size_bytes < agreed) ++mtu_lowered_;
+        finish_sizing(e, now);
+      }
+      if (e.engine.config().mtu == h.size_bytes) send_sizing(e, 0, off::opcode::path_size_ack, h.challenge, h.size_bytes, true, 0);
+      return;
+    }
+    // A probe: answered from this path's socket, as large as it came (no
+    // amplification), whatever the state: a late probe costs one answer.
+    send_sizing(e, h.path, off::opcode::path_size_ack, h.challenge, h.size_bytes, false, length);
+    return;
+  }
+  // An answer: only the leader asked.
+  if (z.role != Engine::Sizing::Role::leader || h.challenge != z.nonce) {
+    ++unknown_qp_;  // stale or forged: answers no question of ours
+    return;
+  }
+  if (h.size_set) {
+    if (z.decided && h.size_bytes == c.mtu) finish_sizing(e, now);
+    return;
+  }
+  if (z.decided || h.path >= z.answered.size()) return;
+  uint8_t& bits = z.answered[h.path];
+  if (h.size_bytes == 0) {
+    bits |= 0x80;
+  } else {
+    for (uint32_t k = 0; k < z.size_count; ++k)
+      if (z.sizes[k] == h.size_bytes && length >= h.size_bytes + off::max_header_bytes) bits |= uint8_t(0x80 | 1u << k);
+  }
+  if (z.rounds_heard == 0) {
+    // The first answer: the peer is up. Rounds from now on every two round
+    // trips (as the kernel stamped the answer's arrival: an application
+    // that polls late must not stretch them).
+    z.rounds_heard = 1;
+    const uint64_t at = arrival && arrival >= z.round_sent_ns ? arrival : now;
+    z.interval_ns = std::clamp<uint64_t>(2 * (at - z.round_sent_ns), sizing_first_interval_ns, sizing_max_heard_interval_ns);
+    z.next_ns = now + z.interval_ns;
+    sizing_due_ = std::min(sizing_due_, z.next_ns);
+  }
+  // Every path carried the largest size: no need to wait for the rest.
+  bool all = true;
+  for (uint8_t b : z.answered) all = all && (b & 1);
+  if (all) decide_size(e, z.sizes[0], now);
+}
+
+void EngineHost::sizing_timers_locked(uint64_t now) {
+  uint64_t due = UINT64_MAX;
+  for (auto& [key, ep] : engines_) {
+    Engine& e = *ep;
+    Engine::Sizing& z = e.sizing;
+    if (z.role == Engine::Sizing::Role::none) continue;
+    if (z.waiting_since && now - z.waiting_since >= sizing_timeout_ns) {
+      // Work has waited for a peer that does not settle the size: it fails
+      // as a dead peer's would, and the QP enters the error state.
+      ++mtu_failed_;
+      std::fprintf(stderr,
+                   "stellar: QP %u: path MTU discovery with %s did not settle within %llu ms (%s); its work fails "
+                   "(STELLAR_PATH_MTU_DISCOVERY=0 on both sides turns the sizing off)\n",
+                   unsigned(e.engine.config().local_qpn), format_ipv4(e.peer).c_str(),
+                   (unsigned long long)(sizing_timeout_ns / 1'000'000),
+                   z.role == Engine::Sizing::Role::leader ? (z.rounds_heard ? "the peer never acknowledged the size"
+                                                                             : "the peer never answered a probe")
+                                                          : "the peer never sent a size");
+      e.sizing = Engine::Sizing{};
+      --sizing_engines_;
+      e.engine.fail_requests(off::CompletionStatus::retry_exceeded);
+      continue;
+    }
+    if (z.role == Engine::Sizing::Role::leader && now >= z.next_ns) {
+      if (!z.decided && z.rounds_heard > sizing_rounds_after_heard) {
+        // The largest size every path that answered at all carried (a path
+        // silent even to the unpadded probe is down, not small: its loss
+        // is multipath's to handle).
+        uint32_t carried = 0xff;
+        for (uint8_t b : z.answered)
+          if (b & 0x80) carried &= b;
+        uint32_t size = 256;
+        for (uint32_t k = 0; k < z.size_count; ++k)
+          if (carried & (1u << k)) {
+            size = z.sizes[k];
+            break;
+          }
+        decide_size(e, size, now);
+      } else {
+        sizing_round(e, now);
+      }
+    }
+    if (z.role == Engine::Sizing::Role::leader) due = std::min(due, z.next_ns);
+    // The follower and every waiting post need the clock for the limit.
+    if (z.waiting_since) due = std::min(due, z.waiting_since + sizing_timeout_ns);
+    if (z.role == Engine::Sizing::Role::follower) due = std::min(due, now + sizing_max_interval_ns);
+  }
+  sizing_due_ = due;
+}
+
 int64_t EngineHost::realtime_offset(uint64_t now) {
   if (realtime_offset_at_ == 0 || now - realtime_offset_at_ >= realtime_refresh_ns) {
     timespec real;
@@ -955,6 +1237,7 @@ uint64_t EngineHost::next_wakeup_locked(uint64_t now) {
     t = std::min(t, w);
     if (e->validation.active || e->announcing) t = std::min(t, timers_due_);
   }
+  if (sizing_engines_) t = std::min(t, sizing_due_);
   return t;
 }
 
@@ -970,6 +1253,7 @@ HostCounters EngineHost::counters_locked() const {
   c.placed = placed_, c.placement_misses = placement_misses_;
   c.migrations = migrations_, c.path_challenges = path_challenges_, c.migrations_rejected = migrations_rejected_;
   c.migration_dropped = migration_dropped_, c.rebinds = rebinds_, c.last_move_ns = last_move_ns_;
+  c.path_mtu_probes = mtu_probes_, c.path_mtu_lowered = mtu_lowered_, c.path_mtu_failed = mtu_failed_;
   if (filter_) c.faults = filter_->counters();
   // The engine thread's own CPU clock (it runs nothing else).
   clockid_t clock;

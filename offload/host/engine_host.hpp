@@ -142,6 +142,26 @@ class EngineHost final : public Host {
   // and repeats a moved host's announcement until its peer is heard.
   void address_timers_locked(uint64_t now);
   void send_validation(const Engine& e, const sockaddr_in& to, uint8_t opcode, uint64_t challenge);
+
+  // ---- path MTU discovery (stellar mode; docs/wire-format.md, "Path MTU") ----
+  // At attach: whether `e` sizes its path, and its role; holds its requests.
+  void start_sizing(Engine& e, uint64_t now);
+  // A path_size or path_size_ack for `e` from `from`.
+  // `arrival`: when the kernel received it (0: unknown).
+  void on_path_sizing(Engine& e, const sockaddr_in& from, const uint8_t* data, uint32_t length, uint64_t now,
+                      uint64_t arrival);
+  // The leader's next round: probes, or its decision again.
+  void sizing_round(Engine& e, uint64_t now);
+  // The leader settled on `size`: applies it and tells the follower.
+  void decide_size(Engine& e, uint32_t size, uint64_t now);
+  // Sizing is over for `e`: its requests go.
+  void finish_sizing(Engine& e, uint64_t now);
+  // One sizing message on `path` (the socket its data would leave from),
+  // padded to `datagram_bytes` when that is more than its header.
+  void send_sizing(const Engine& e, uint16_t path, uint8_t opcode, uint64_t nonce, uint32_t size, bool set,
+                   uint32_t datagram_bytes);
+  // Rounds and time limits of the engines sizing their paths.
+  void sizing_timers_locked(uint64_t now);
   // Sends failed as they do when the bound address is gone, or the kernel
   // reported an address change: if our address is gone, rebind to the one
   // the kernel now sends from toward a peer.
@@ -208,6 +228,10 @@ class EngineHost final : public Host {
   uint8_t placed_trailers_[max_placed_segments][4];
   uint8_t* placed_at_[max_placed_segments] = {};
   uint64_t migrations_ = 0, path_challenges_ = 0, migrations_rejected_ = 0, migration_dropped_ = 0, rebinds_ = 0;
+  uint64_t mtu_probes_ = 0, mtu_lowered_ = 0, mtu_failed_ = 0;  // HostCounters::path_mtu_*
+  uint32_t sizing_engines_ = 0;  // engines whose path sizing is under way
+  uint64_t sizing_due_ = 0;      // sizing_timers_locked's next run
+  std::vector<uint8_t> sizing_buffer_;  // a padded probe (payload: zeros)
   // A copy of socket_.local() for readers without the lock (the socket
   // changes it only under the lock, when the host moves).
   mutable std::mutex local_lock_;

@@ -87,6 +87,12 @@ struct HostCounters {
   // The latest rebind: ns from it to the first acknowledgement a peer sent
   // to the new address (0: no rebind, or no acknowledgement yet).
   uint64_t last_move_ns = 0;
+  // Path MTU discovery (stellar mode; docs/wire-format.md, "Path MTU"):
+  // probes sent (padded and unpadded, decisions included), connections
+  // whose path carried less than the MTU both QPs agreed on (they send
+  // smaller packets), and connections whose sizing did not finish in time
+  // with work waiting (that work failed with retry_exceeded).
+  uint64_t path_mtu_probes = 0, path_mtu_lowered = 0, path_mtu_failed = 0;
   // Daemon placement only: ring entries the daemon refused (forged handles,
   // bad segments).
   uint64_t refused_entries = 0;

@@ -299,7 +299,7 @@ namespace {
 constexpr size_t roce_bth = 12, roce_reth = 16, roce_aeth = 4, roce_atomic_eth = 28, roce_atomic_ack = 8,
                  imm_bytes = 4, trailer = 4;
 constexpr uint8_t stellar_flag_unchecked = 8;  // flags (byte 3) bit 3: Header::unchecked
-constexpr size_t stellar_base = 48, stellar_reth = 16, stellar_segment = 12, stellar_challenge = 8;
+constexpr size_t stellar_base = 48, stellar_reth = 16, stellar_segment = 12, stellar_challenge = 8, stellar_sizing = 16;
 constexpr uint8_t stellar_magic = 0x53;  // 'S'
 static_assert(stellar_write_header_bytes == stellar_base + stellar_reth + stellar_segment);
 // 2: the 64-bit connection token at offset 32 (base header 40 bytes).
@@ -340,6 +340,7 @@ size_t stellar_header_bytes(const Header& h) {
   if (h.opcode == opcode::acknowledge || h.opcode == opcode::atomic_acknowledge) n += roce_aeth;
   if (h.opcode == opcode::atomic_acknowledge) n += roce_atomic_ack;
   if (opcode_is_path_validation(h.opcode)) n += stellar_challenge;
+  if (opcode_is_path_sizing(h.opcode)) n += stellar_sizing;
   return n;
 }
 
@@ -408,6 +409,7 @@ bool is_loopback(const IcrcAddresses& a) {
 }
 
 bool opcode_is_path_validation(uint8_t op) { return op == opcode::path_challenge || op == opcode::path_response; }
+bool opcode_is_path_sizing(uint8_t op) { return op == opcode::path_size || op == opcode::path_size_ack; }
 
 bool opcode_is_request(uint8_t op) {
   return opcode_is_send(op) || opcode_is_write(op) || op == opcode::read_request || is_atomic_request(op);
@@ -535,6 +537,12 @@ size_t write_headers(Mode mode, const Header& h, uint8_t* out, uint32_t pad) {
   }
   if (h.opcode == opcode::atomic_acknowledge) put64(p, h.atomic_original);
   if (opcode_is_path_validation(h.opcode)) put64(p, h.challenge);
+  if (opcode_is_path_sizing(h.opcode)) {
+    put64(p, h.challenge);
+    put32(p + 8, h.size_bytes);
+    p[12] = h.size_set ? 1 : 0;
+    p[13] = p[14] = p[15] = 0;
+  }
   return header;
 }
 
@@ -746,7 +754,7 @@ namespace {
 // gives (header).
 DecodeError stellar_header_form(const uint8_t* data, Header& h, size_t& header) {
   h.opcode = data[2];
-  if (h.opcode > opcode::last_valid && !opcode_is_path_validation(h.opcode)) return DecodeError::bad_opcode;
+  if (h.opcode > opcode::last_valid && !opcode_is_host_control(h.opcode)) return DecodeError::bad_opcode;
   header = stellar_header_bytes(h);
   if (get16(data + 6) != header) return DecodeError::bad_length;
   return DecodeError::none;
@@ -794,10 +802,16 @@ void stellar_fields(const uint8_t* data, Header& h) {
   }
   if (h.opcode == opcode::atomic_acknowledge) h.atomic_original = get64(p);
   if (opcode_is_path_validation(h.opcode)) h.challenge = get64(p);
+  if (opcode_is_path_sizing(h.opcode)) {
+    h.challenge = get64(p);
+    h.size_bytes = get32(p + 8);
+    h.size_set = p[12] == 1;
+  }
 }
 
 DecodeError stellar_payload_checks(const Header& h) {
-  if (h.payload_length != 0 && !carries_payload(h.opcode)) return DecodeError::bad_length;
+  // A sizing probe's payload is padding (its size is the point).
+  if (h.payload_length != 0 && !carries_payload(h.opcode) && !opcode_is_path_sizing(h.opcode)) return DecodeError::bad_length;
   if (carries_payload(h.opcode) &&
       (h.message_offset > h.message_length || h.payload_length > h.message_length - h.message_offset))
     return DecodeError::bad_length;

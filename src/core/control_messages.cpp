@@ -123,6 +123,7 @@ json endpoint_json(const QpEndpoint& e) {
     j["token"] = hex;
   }
   if (e.loopback_unchecked) j["loopback_unchecked"] = true;
+  if (e.path_mtu_discovery) j["path_mtu_discovery"] = true;
   if (!e.gid.empty()) {
     j["gid"] = e.gid;
     j["lid"] = e.lid;
@@ -175,6 +176,11 @@ Result<QpEndpoint> endpoint_from(const json& j) {
     const json& u = j["loopback_unchecked"];
     if (!u.is_boolean()) return bad_field("loopback_unchecked", "is not true or false");
     e.loopback_unchecked = u.get<bool>();
+  }
+  if (j.contains("path_mtu_discovery")) {
+    const json& u = j["path_mtu_discovery"];
+    if (!u.is_boolean()) return bad_field("path_mtu_discovery", "is not true or false");
+    e.path_mtu_discovery = u.get<bool>();
   }
   return e;
 }

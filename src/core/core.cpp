@@ -62,6 +62,9 @@ Result<std::shared_ptr<Context>> Context::open(const ContextOptions& options) {
   auto follow = config::integer("STELLAR_FOLLOW_ADDRESS", 0, 1);
   if (!follow) return follow.status();
   if (*follow) effective.follow_address = **follow == 1;
+  auto sizing = config::integer("STELLAR_PATH_MTU_DISCOVERY", 0, 1);
+  if (!sizing) return sizing.status();
+  if (*sizing) effective.path_mtu_discovery = **sizing == 1;
   if (effective.engined_socket.empty())
     effective.engined_socket = config::text("STELLAR_ENGINED_SOCKET").value_or("/run/stellar/engined.sock");
   if (Status st = tenants::apply_environment(effective); !st) return st;

@@ -33,13 +33,13 @@ stray=$(grep -rn 'getenv *(' "$root/src" "$root/offload" --include='*.cpp' --inc
 
 STELLAR_FAULT_DROP=1.5 "$cli" config | grep -A1 '^STELLAR_FAULT_DROP' | grep -q '1.5' || { echo "stellar config does not show the value in effect"; exit 1; }
 for bad in STELLAR_FAULT_DROP=1.5 STELLAR_FAULT_SEED=seven STELLAR_FAULT_DUP=-0.1 'STELLAR_FAULT_SEED= -1' 'STELLAR_FAULT_SEED=5 ' \
-           STELLAR_FAULT_REORDER=0,5 STELLAR_FAULT_SEED=0x STELLAR_PATHS=0 STELLAR_PATHS=257 STELLAR_PATH_POLICY=fastest STELLAR_FOLLOW_ADDRESS=2; do
+           STELLAR_FAULT_REORDER=0,5 STELLAR_FAULT_SEED=0x STELLAR_PATHS=0 STELLAR_PATHS=257 STELLAR_PATH_POLICY=fastest STELLAR_FOLLOW_ADDRESS=2 STELLAR_PATH_MTU_DISCOVERY=yes; do
   name=${bad%%=*}
   if out=$(env "$bad" timeout 20 "$pingpong" -p 1 --wait_client 1 2>&1); then echo "$bad: the server started"; exit 1; fi
   echo "$out" | grep -q "$name" || { echo "$bad: the error does not name the variable: $out"; exit 1; }
   echo "$bad refused: $(echo "$out" | grep -o "$name.*" | head -1)"
 done
-for good in STELLAR_FAULT_SEED=0x10 STELLAR_FAULT_SEED=010 STELLAR_FAULT_DROP=0.5 STELLAR_PATHS=1 STELLAR_PATH_POLICY=reps STELLAR_FOLLOW_ADDRESS=0; do
+for good in STELLAR_FAULT_SEED=0x10 STELLAR_FAULT_SEED=010 STELLAR_FAULT_DROP=0.5 STELLAR_PATHS=1 STELLAR_PATH_POLICY=reps STELLAR_FOLLOW_ADDRESS=0 STELLAR_PATH_MTU_DISCOVERY=0; do
   out=$(env "$good" timeout 20 "$pingpong" -p 1 --wait_client 1 2>&1 || true)
   echo "$out" | grep -q "no client connected" || { echo "$good: expected the server to start and wait: $out"; exit 1; }
 done

@@ -21,6 +21,11 @@
 #   move       the client's host is renumbered mid-transfer (testbed.sh
 #              move-host): the client follows its address, the server
 #              validates the new one, and the stream finishes byte-exact
+#   pmtu       path MTU discovery: over jumbo frames end to end the
+#              connection keeps its 8704-byte packets; with every uplink of
+#              leaf 1 at 1500 bytes (the routers drop larger packets) it
+#              settles on 1280-byte packets and the stream and a READ
+#              stream finish byte-exact (both would lose every full packet)
 #
 # Usage: tests/testbed/multipath_test.sh CASE BUILD_DIR
 # Exit 77 (ctest SKIP) when not root or `ip netns` is unavailable.
@@ -132,7 +137,10 @@ case $case_name in
     # right for the bytes on the wire (what a RoCE NIC checks).
     ip netns exec "${STB_PREFIX}leaf1" python3 "$here/roce_icrc_check.py" to-h1 2000 > "$work/icrc.log" 2>&1 &
     icrc_pid=$!
-    sleep 0.3
+    # Traffic only once the capture is bound (a loaded host took over 0.3 s
+    # to start python once, and the check saw nothing).
+    for _ in $(seq 200); do grep -q capturing "$work/icrc.log" && break; sleep 0.05; done
+    grep -q capturing "$work/icrc.log" || fail "the ICRC capture did not start"
     start_stream 200 262144 --mode roce
     wait_stream 200
     grep -q "paths 1 " "$work/client.log" || fail "roce mode used more than one path"
@@ -231,6 +239,59 @@ EOF
     awk -v t="$(field move_to_ack_ms)" 'BEGIN { exit !(t > 0) }' || fail "no acknowledgement reached the client's new address"
     echo "longest gap between chunk completions (the move's stall, at most): $(field longest_gap_ms) ms;" \
       "client's rebind to the first acknowledgement at its new address: $(field move_to_ack_ms) ms"
+    ;;
+
+  pmtu)
+    # Bytes per packet the client sent (data, acknowledgements and probes).
+    per_packet() { echo $(($(field tx_bytes) / $(field tx_packets))); }
+    start_stream 200 262144 --paths 16
+    wait_stream 200
+    (($(field path_mtu_probes) + $(grep -o "path_mtu_probes [0-9]*" "$work/server.log" | awk '{print $2}') > 0)) ||
+      fail "no side probed the path"
+    (($(field path_mtu_lowered) == 0)) || fail "jumbo frames end to end, yet the client lowered its packet size"
+    echo "jumbo frames: $(per_packet) bytes per packet on average"
+    (($(per_packet) > 4096)) || fail "$(per_packet) bytes per packet on average: the 8704-byte packets were not used"
+    for s in 1 2 3 4; do "$testbed" set-mtu 1 "$s" 1500; done
+    start_stream 200 262144 --paths 16
+    wait_stream 200
+    (($(field path_mtu_lowered) == 1)) || fail "the client lowered its packet size $(field path_mtu_lowered) times, not once"
+    server_lowered=$(grep -o "path_mtu_lowered [0-9]*" "$work/server.log" | awk '{print $2}')
+    ((server_lowered == 1)) || fail "the server lowered its packet size $server_lowered times, not once"
+    echo "a 1500-byte link on the way: $(per_packet) bytes per packet on average"
+    (($(per_packet) <= 1280 + 96)) || fail "$(per_packet) bytes per packet on average: larger than the path carries"
+    # READ responses are cut by the responder: both sides must agree on the
+    # size (a mismatch would leave PSN gaps the READ never fills).
+    "$testbed" exec 2 1 "$build/bench/stellar_read_bw" --bind "$server_addr" -p 18601 -s 1048576 -n 50 --wait adaptive \
+      > "$work/server.log" 2>&1 &
+    server_pid=$!
+    for _ in $(seq 200); do grep -q waiting "$work/server.log" && break; sleep 0.05; done
+    "$testbed" exec 1 1 "$build/bench/stellar_read_bw" "$server_addr" --bind "$client_addr" -p 18601 -s 1048576 -n 50 \
+      --wait adaptive > "$work/client.log" 2>&1 || fail "stellar_read_bw failed across the 1500-byte link"
+    wait "$server_pid" || { server_pid=; fail "the stellar_read_bw server failed"; }
+    server_pid=
+    grep -E '^ [0-9]' "$work/client.log" || fail "stellar_read_bw printed no result"
+    # A fabric that drops the sizing packets (opcodes 0x1c and 0x1d, byte 2
+    # of the UDP payload): the posted work fails as a dead peer's would,
+    # with a message, instead of waiting for ever or guessing a size.
+    ip netns exec "${STB_PREFIX}leaf1" nft -f - <<EOF
+table inet stbsize {
+  chain forward {
+    type filter hook forward priority 0; policy accept;
+    meta l4proto udp @th,80,8 { 0x1c, 0x1d } drop
+  }
+}
+EOF
+    : > "$work/server.log"
+    "$testbed" exec 2 1 "$stream" --bind "$server_addr" -p 18602 -s 65536 --wait_client 60 > "$work/server.log" 2>&1 &
+    server_pid=$!
+    for _ in $(seq 200); do grep -q "waiting on" "$work/server.log" && break; sleep 0.05; done
+    rc=0
+    timeout 30 "$testbed" exec 1 1 "$stream" "$server_addr" --bind "$client_addr" -p 18602 -s 65536 -n 10 \
+      > "$work/client.log" 2>&1 || rc=$?
+    ((rc != 0 && rc != 124)) || fail "with the sizing packets dropped the client exited $rc (0: it sent anyway; 124: it hung)"
+    grep -q "retry counter exceeded" "$work/client.log" || fail "no retry_exceeded completion"
+    grep -q "path MTU discovery" "$work/client.log" || fail "no message about the path sizing"
+    cat "$work/client.log"
     ;;
 
   *) echo "unknown case $case_name"; exit 2 ;;

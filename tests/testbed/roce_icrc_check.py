@@ -18,6 +18,7 @@ import zlib
 iface, wanted = sys.argv[1], int(sys.argv[2])
 s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0800))
 s.bind((iface, 0))
+print("capturing", flush=True)  # the test starts the traffic once this is out
 good = bad = 0
 ids = set()
 deadline = time.time() + 20

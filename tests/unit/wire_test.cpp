@@ -117,10 +117,10 @@ TEST_P(WireModes, UnknownOpcodeRejected) {
   std::vector<uint8_t> buf(128, 0);
   Header h = sample(opcode::acknowledge);
   const size_t n = encode(GetParam(), h, buf.data(), buf.size(), {});
-  // 0x1c is unassigned in both modes; 0x1e/0x1f are the stellar mode's path
-  // validation opcodes, which roce mode refuses.
-  for (uint8_t op : {uint8_t(0x1c), opcode::path_challenge, opcode::path_response}) {
-    if (GetParam() == Mode::stellar && opcode_is_path_validation(op)) continue;
+  // 0x1b is unassigned in both modes; 0x1c-0x1f are the stellar mode's path
+  // sizing and validation opcodes, which roce mode refuses.
+  for (uint8_t op : {uint8_t(0x1b), opcode::path_size, opcode::path_size_ack, opcode::path_challenge, opcode::path_response}) {
+    if (GetParam() == Mode::stellar && opcode_is_host_control(op)) continue;
     buf[GetParam() == Mode::roce ? 0 : 2] = op;
     Header d;
     EXPECT_EQ(decode(GetParam(), buf.data(), n, {}, d), DecodeError::bad_opcode) << int(op);
@@ -155,6 +155,41 @@ TEST(StellarWire, PathChallengeCarriesEightBytes) {
     for (size_t cut = 0; cut < n; ++cut) EXPECT_NE(decode(Mode::stellar, buf.data(), cut, {}, d), DecodeError::none) << cut;
     buf[50] ^= 4;
     EXPECT_EQ(decode(Mode::stellar, buf.data(), n, {}, d), DecodeError::bad_checksum);
+  }
+}
+
+// Path MTU discovery (docs/wire-format.md, "Path MTU"): base header, 16
+// bytes of nonce, size and kind, then padding (a probe is as large as the
+// packets it tests), then the CRC over all of it.
+TEST(StellarWire, PathSizeProbesArePaddedAndChecked) {
+  for (uint8_t op : {opcode::path_size, opcode::path_size_ack}) {
+    for (uint32_t padding : {0u, 8704u}) {
+      Header h;
+      h.opcode = op;
+      h.pkey = 0x8001;
+      h.dest_qpn = 0x123456;
+      h.token = 0x1122334455667788ull;
+      h.path = 7;
+      h.challenge = 0xa5a5f00dcafe0001ull;
+      h.size_bytes = 8704;
+      h.size_set = padding == 0;
+      h.payload_length = padding;
+      std::vector<uint8_t> buf(64 + padding + 4, 0x5a);
+      const size_t n = encode(Mode::stellar, h, buf.data(), buf.size(), {});
+      ASSERT_EQ(n, 48u + 16u + padding + 4u);
+      EXPECT_EQ(buf[6] << 8 | buf[7], 64) << "header length";
+      Header d;
+      ASSERT_EQ(decode(Mode::stellar, buf.data(), n, {}, d), DecodeError::none);
+      EXPECT_EQ(d.opcode, op);
+      EXPECT_EQ(d.challenge, h.challenge);
+      EXPECT_EQ(d.size_bytes, 8704u);
+      EXPECT_EQ(d.size_set, h.size_set);
+      EXPECT_EQ(d.path, 7);
+      EXPECT_EQ(d.payload_length, padding);
+      for (size_t cut = 0; cut < 64 + 4; ++cut) EXPECT_NE(decode(Mode::stellar, buf.data(), cut, {}, d), DecodeError::none) << cut;
+      buf[n - 5] ^= 1;  // the padding, or the kind byte: under the CRC either way
+      EXPECT_EQ(decode(Mode::stellar, buf.data(), n, {}, d), DecodeError::bad_checksum);
+    }
   }
 }
 

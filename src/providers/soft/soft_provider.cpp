@@ -691,6 +691,7 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
         e.local_token = token_;
         e.remote_token = m.remote.token;
         e.loopback_unchecked = e.mode == off::Mode::stellar && !c.options_.loopback_crc && m.remote.loopback_unchecked;
+        e.size_path = e.mode == off::Mode::stellar && c.options_.path_mtu_discovery && m.remote.path_mtu_discovery;
         e.send_psn = psn_;
         e.receive_psn = m.remote.psn;
         e.rto_min_ns = e.rto_initial_ns = uint64_t(m.timing.rto_min.count());
@@ -884,7 +885,8 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
     SoftContext& c = const_cast<SoftQp*>(this)->context();
     return QpEndpoint{c.local_address(), c.local_port(), qpn_, psn_,    c.options_.mtu,
                       pkey_,             c.options_.mode, {},   0,     token_,
-                      c.options_.mode == Mode::stellar && !c.options_.loopback_crc};
+                      c.options_.mode == Mode::stellar && !c.options_.loopback_crc,
+                      c.options_.mode == Mode::stellar && c.options_.path_mtu_discovery};
   }
 
   // MemoryAccess: remote keys of this QP's tenant, for regions of this PD.
@@ -1296,6 +1298,7 @@ ContextCounters SoftContext::counters() const {
   c.migrations = h.migrations, c.path_challenges = h.path_challenges, c.migrations_rejected = h.migrations_rejected;
   c.migration_dropped = h.migration_dropped, c.address_changes = h.rebinds;
   c.last_address_change_ns = h.last_move_ns;
+  c.path_mtu_probes = h.path_mtu_probes, c.path_mtu_lowered = h.path_mtu_lowered, c.path_mtu_failed = h.path_mtu_failed;
   return c;
 }
 

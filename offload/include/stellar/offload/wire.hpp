@@ -54,8 +54,19 @@ inline constexpr uint8_t last_valid = fetch_add;
 // from its new address. Handled by the hosts, not the engines.
 inline constexpr uint8_t path_challenge = 0x1e;
 inline constexpr uint8_t path_response = 0x1f;
+// stellar mode only: path MTU discovery at connection set-up, when both QPs
+// advertised it (docs/wire-format.md, "Path MTU"). A probe is padded to
+// the datagram size it tests; the peer answers each with a path_size_ack
+// of the same size (no amplification). The same pair, unpadded, carries
+// the leader's decision (Header::size_set) and its acknowledgement.
+// Handled by the hosts, not the engines.
+inline constexpr uint8_t path_size = 0x1c;
+inline constexpr uint8_t path_size_ack = 0x1d;
 }  // namespace opcode
 bool opcode_is_path_validation(uint8_t op);  // path_challenge or path_response
+bool opcode_is_path_sizing(uint8_t op);      // path_size or path_size_ack
+// Packets the hosts answer themselves (validation and sizing): never an engine's.
+inline bool opcode_is_host_control(uint8_t op) { return opcode_is_path_validation(op) || opcode_is_path_sizing(op); }
 
 // AETH syndromes (IBTA 9.7.5.1): high 3 bits select ACK / RNR NAK / NAK.
 namespace syndrome {
@@ -78,11 +89,12 @@ inline constexpr uint32_t max_payload_bytes = 61440;
 static_assert(max_payload_bytes + max_header_bytes + 28 <= 65535);
 
 // The largest payload per packet whose datagram (IPv4 20 + UDP 8 +
-// max_header_bytes + payload) fits a link of `link_mtu` bytes: a multiple
-// of 4096 (whole pages stay whole pages), below 4096 the largest power of
-// two, at least 256; at most max_payload_bytes in stellar mode and 4096
-// (RoCE's largest) in roce mode. 65536 (loopback) -> 61440, 9000 -> 8192,
-// 1500 -> 1024.
+// max_header_bytes + payload) fits a link of `link_mtu` bytes. stellar
+// mode: a multiple of 256 from 256 to max_payload_bytes (65536, loopback
+// -> 61440; 9000 -> 8704; 1500 -> 1280). roce mode: RoCE's MTUs, a power
+// of two from 256 to 4096 (9000 -> 4096, 1500 -> 1024). What the path
+// beyond the link carries is settled per connection (docs/wire-format.md,
+// "Path MTU").
 uint32_t payload_for_link_mtu(uint32_t link_mtu, Mode mode);
 inline constexpr uint16_t default_pkey = 0xffff;
 
@@ -155,8 +167,14 @@ struct Header {
   // A path signal: choice avoids marked paths (docs/multipath.md). 0 in roce mode.
   uint16_t ce_count = 0;
   // stellar mode, path_challenge / path_response: the 8 random bytes a
-  // challenge carries and its response echoes.
+  // challenge carries and its response echoes; path_size / path_size_ack:
+  // the probe's or decision's random nonce, echoed by the acknowledgement.
   uint64_t challenge = 0;
+  // stellar mode, path_size / path_size_ack: the payload bytes per packet a
+  // probe tests (its datagram is padded to what a data packet of that
+  // payload would be) or, with size_set, the leader's decision.
+  uint32_t size_bytes = 0;
+  bool size_set = false;
   // stellar mode: the trailer holds no CRC-32C (flags bit 3). Only between
   // two loopback addresses, where the datagram never leaves memory: there
   // the kernel checksums nothing either (lo marks every packet as verified),
