@@ -76,7 +76,7 @@ PostResult Requester::post_send(const SendWork& work) {
 
   const uint32_t index = (sq_head_ + sq_count_) % config.max_send_wr;
   SendWqe& w = sq_[index];
-  w.work = work;
+  copy_work(w.work, work);
   w.length = uint32_t(length);
   w.first_psn = assign_psn_;
   w.packet_count = packets;

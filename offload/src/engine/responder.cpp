@@ -26,7 +26,7 @@ PostResult Responder::post_receive(const ReceiveWork& work) {
   if (rq_count_ == ctx_.config.max_recv_wr) return PostResult::queue_full;
   ReceiveWqe& r = rq_[(rq_head_ + rq_count_) % ctx_.config.max_recv_wr];
   r = ReceiveWqe{};
-  r.work = work;
+  copy_work(r.work, work);
   r.generation = ctx_.memory.generation();
   for (uint32_t i = 0; i < work.segment_count; ++i) r.capacity += work.segments[i].length;
   ++rq_count_;
