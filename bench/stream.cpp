@@ -322,7 +322,7 @@ int main(int argc, char** argv) {
               "stalled_ms %.3f stalled_fraction %.5f chunk_p50_ms %.3f chunk_p99_ms %.3f before_split %.4f after_split %.4f "
               "retransmitted %llu timeouts %llu tail_probes %llu paths_retired %llu spurious %llu migrations %llu "
               "address_changes %llu move_to_ack_ms %.3f congestion_marks %llu path_mtu_probes %llu path_mtu_lowered %llu "
-              "tx_packets %llu tx_bytes %llu local %s\n",
+              "path_mtu_sizing_ms %.3f tx_packets %llu tx_bytes %llu local %s\n",
               o.mode.c_str(), o.mode == "roce" ? 1u : unsigned(co.paths), policy, o.chunk, (unsigned long long)written, bytes, seconds,
               bytes / seconds / 1e9, longest_gap * 1000, stalled * 1000, stalled / seconds, p50, p99, before_gbs, after_gbs,
               (unsigned long long)c.retransmitted_packets,
@@ -330,7 +330,8 @@ int main(int argc, char** argv) {
               (unsigned long long)c.spurious_retransmits, (unsigned long long)c.migrations,
               (unsigned long long)c.address_changes, double(c.last_address_change_ns) / 1e6,
               (unsigned long long)c.rx_congestion_marks, (unsigned long long)c.path_mtu_probes,
-              (unsigned long long)c.path_mtu_lowered, (unsigned long long)c.tx_packets, (unsigned long long)c.tx_bytes,
+              (unsigned long long)c.path_mtu_lowered, double(c.path_mtu_last_ns) / 1e6, (unsigned long long)c.tx_packets,
+              (unsigned long long)c.tx_bytes,
               context->local_address().c_str());
   if (!o.out_json.empty()) {
     nlohmann::json j{{"mode", o.mode},

@@ -473,6 +473,10 @@ struct ContextCounters {
   // on (they send smaller packets); connections whose sizing did not settle
   // within 1 s of work waiting (that work failed with retry_exceeded).
   uint64_t path_mtu_probes = 0, path_mtu_lowered = 0, path_mtu_failed = 0;
+  // What the sizing cost: how long the first work posted to the latest
+  // connection that had work waiting for its sizing waited, in nanoseconds
+  // (0: none waited yet).
+  uint64_t path_mtu_last_ns = 0;
 };
 
 class Context : public std::enable_shared_from_this<Context> {

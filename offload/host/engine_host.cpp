@@ -149,7 +149,7 @@ constexpr uint32_t sizing_floor = 1280;
 constexpr uint32_t sizing_rounds_after_heard = 4;  // rounds a size has to come back once the peer answers
 constexpr uint64_t sizing_first_interval_ns = 250'000;
 constexpr uint64_t sizing_max_interval_ns = 20'000'000;  // a peer not yet up is asked at least this often
-constexpr uint64_t sizing_max_heard_interval_ns = 5'000'000;  // once it answers, rounds at least this often
+constexpr uint64_t sizing_max_heard_interval_ns = 2'000'000;  // once it answers, rounds at least this often
 // Work posted while a connection sizes its path waits at most this long
 // (for a peer that never answers, or answers and never acknowledges the
 // decision); then it fails as a dead peer's does (retry_exceeded).
@@ -875,7 +875,10 @@ void EngineHost::start_sizing(Engine& e, uint64_t now) {
   e.engine.hold_requests(true);
   ++sizing_engines_;
   if (z.role == Engine::Sizing::Role::follower) {
-    // The follower only answers; its own clock is the time limit's.
+    // The follower answers, and says once it is up: a leader connected
+    // earlier backs off while nobody answers, and starts its next round at
+    // once on this (again every sizing_max_interval_ns, should it be lost).
+    send_sizing(e, 0, off::opcode::path_size, 0, 0, false, 0);
     z.next_ns = now + sizing_max_interval_ns;
     sizing_due_ = std::min(sizing_due_, z.next_ns);
     return;
@@ -955,6 +958,8 @@ void EngineHost::decide_size(Engine& e, uint32_t size, uint64_t now) {
 }
 
 void EngineHost::finish_sizing(Engine& e, uint64_t now) {
+  // What the sizing cost the application: how long its first work waited.
+  if (e.sizing.waiting_since) mtu_last_ns_ = now > e.sizing.waiting_since ? now - e.sizing.waiting_since : 0;
   e.sizing = Engine::Sizing{};
   --sizing_engines_;
   e.engine.hold_requests(false);
@@ -996,10 +1001,17 @@ void EngineHost::on_path_sizing(Engine& e, const sockaddr_in& from, const uint8_
     // A probe: answered from this path's socket, as large as it came (no
     // amplification), whatever the state: a late probe costs one answer.
     send_sizing(e, h.path, off::opcode::path_size_ack, h.challenge, h.size_bytes, false, length);
+    // A leader still waiting for its peer: the peer is up now (the
+    // follower's hello), so the next round need not wait for the back-off.
+    if (z.role == Engine::Sizing::Role::leader && !z.decided && z.rounds_heard == 0 &&
+        now - z.round_sent_ns >= sizing_first_interval_ns / 4)
+      sizing_round(e, now);
     return;
   }
-  // An answer: only the leader asked.
-  if (z.role != Engine::Sizing::Role::leader || h.challenge != z.nonce) {
+  // An answer: only the leader asked (the follower's hello is answered too,
+  // and that answer needs nothing).
+  if (z.role != Engine::Sizing::Role::leader) return;
+  if (h.challenge != z.nonce) {
     ++unknown_qp_;  // stale or forged: answers no question of ours
     return;
   }
@@ -1073,10 +1085,14 @@ void EngineHost::sizing_timers_locked(uint64_t now) {
         sizing_round(e, now);
       }
     }
+    if (z.role == Engine::Sizing::Role::follower && now >= z.next_ns) {
+      send_sizing(e, 0, off::opcode::path_size, 0, 0, false, 0);  // the hello again
+      z.next_ns = now + sizing_max_interval_ns;
+    }
     if (z.role == Engine::Sizing::Role::leader) due = std::min(due, z.next_ns);
     // The follower and every waiting post need the clock for the limit.
     if (z.waiting_since) due = std::min(due, z.waiting_since + sizing_timeout_ns);
-    if (z.role == Engine::Sizing::Role::follower) due = std::min(due, now + sizing_max_interval_ns);
+    if (z.role == Engine::Sizing::Role::follower) due = std::min(due, z.next_ns);
   }
   sizing_due_ = due;
 }
@@ -1254,6 +1270,7 @@ HostCounters EngineHost::counters_locked() const {
   c.migrations = migrations_, c.path_challenges = path_challenges_, c.migrations_rejected = migrations_rejected_;
   c.migration_dropped = migration_dropped_, c.rebinds = rebinds_, c.last_move_ns = last_move_ns_;
   c.path_mtu_probes = mtu_probes_, c.path_mtu_lowered = mtu_lowered_, c.path_mtu_failed = mtu_failed_;
+  c.path_mtu_last_ns = mtu_last_ns_;
   if (filter_) c.faults = filter_->counters();
   // The engine thread's own CPU clock (it runs nothing else).
   clockid_t clock;

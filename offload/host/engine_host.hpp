@@ -228,7 +228,7 @@ class EngineHost final : public Host {
   uint8_t placed_trailers_[max_placed_segments][4];
   uint8_t* placed_at_[max_placed_segments] = {};
   uint64_t migrations_ = 0, path_challenges_ = 0, migrations_rejected_ = 0, migration_dropped_ = 0, rebinds_ = 0;
-  uint64_t mtu_probes_ = 0, mtu_lowered_ = 0, mtu_failed_ = 0;  // HostCounters::path_mtu_*
+  uint64_t mtu_probes_ = 0, mtu_lowered_ = 0, mtu_failed_ = 0, mtu_last_ns_ = 0;  // HostCounters::path_mtu_*
   uint32_t sizing_engines_ = 0;  // engines whose path sizing is under way
   uint64_t sizing_due_ = 0;      // sizing_timers_locked's next run
   std::vector<uint8_t> sizing_buffer_;  // a padded probe (payload: zeros)

@@ -93,6 +93,9 @@ struct HostCounters {
   // smaller packets), and connections whose sizing did not finish in time
   // with work waiting (that work failed with retry_exceeded).
   uint64_t path_mtu_probes = 0, path_mtu_lowered = 0, path_mtu_failed = 0;
+  // How long the first work posted to the latest connection that had work
+  // waiting for its sizing waited (ns; 0: none waited yet).
+  uint64_t path_mtu_last_ns = 0;
   // Daemon placement only: ring entries the daemon refused (forged handles,
   // bad segments).
   uint64_t refused_entries = 0;

@@ -1299,6 +1299,7 @@ ContextCounters SoftContext::counters() const {
   c.migration_dropped = h.migration_dropped, c.address_changes = h.rebinds;
   c.last_address_change_ns = h.last_move_ns;
   c.path_mtu_probes = h.path_mtu_probes, c.path_mtu_lowered = h.path_mtu_lowered, c.path_mtu_failed = h.path_mtu_failed;
+  c.path_mtu_last_ns = h.path_mtu_last_ns;
   return c;
 }
 
