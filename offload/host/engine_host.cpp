@@ -118,6 +118,8 @@ struct EngineHost::Engine final : Host::Engine {
     uint64_t interval_ns = 0;       // leader: between rounds
     uint64_t next_ns = 0;           // leader: the next round
     uint64_t waiting_since = 0;     // work posted while held: since when (0: none waits)
+    uint64_t started_ns = 0;        // when the QP was connected
+    bool last_full = false;         // leader: the latest round probed every size (not only the unpadded probe)
   } sizing;
 };
 
@@ -150,6 +152,12 @@ constexpr uint32_t sizing_rounds_after_heard = 4;  // rounds a size has to come 
 constexpr uint64_t sizing_first_interval_ns = 250'000;
 constexpr uint64_t sizing_max_interval_ns = 20'000'000;  // a peer not yet up is asked at least this often
 constexpr uint64_t sizing_max_heard_interval_ns = 2'000'000;  // once it answers, rounds at least this often
+// A peer silent for this long (gone, or never coming) is asked once a second.
+constexpr uint64_t sizing_patience_ns = 1'000'000'000;
+constexpr uint64_t sizing_slow_interval_ns = 1'000'000'000;
+uint64_t sizing_back_off(uint64_t interval, uint64_t started, uint64_t now) {
+  return now - started >= sizing_patience_ns ? sizing_slow_interval_ns : std::min(interval * 2, sizing_max_interval_ns);
+}
 // Work posted while a connection sizes its path waits at most this long
 // (for a peer that never answers, or answers and never acknowledges the
 // decision); then it fails as a dead peer's does (retry_exceeded).
@@ -872,6 +880,7 @@ void EngineHost::start_sizing(Engine& e, uint64_t now) {
     return;
   Engine::Sizing& z = e.sizing;
   z.role = c.local_token > c.remote_token ? Engine::Sizing::Role::leader : Engine::Sizing::Role::follower;
+  z.started_ns = now;
   e.engine.hold_requests(true);
   ++sizing_engines_;
   if (z.role == Engine::Sizing::Role::follower) {
@@ -879,7 +888,8 @@ void EngineHost::start_sizing(Engine& e, uint64_t now) {
     // earlier backs off while nobody answers, and starts its next round at
     // once on this (again every sizing_max_interval_ns, should it be lost).
     send_sizing(e, 0, off::opcode::path_size, 0, 0, false, 0);
-    z.next_ns = now + sizing_max_interval_ns;
+    z.interval_ns = sizing_max_interval_ns;
+    z.next_ns = now + z.interval_ns;
     sizing_due_ = std::min(sizing_due_, z.next_ns);
     return;
   }
@@ -928,7 +938,14 @@ void EngineHost::sizing_round(Engine& e, uint64_t now) {
   Engine::Sizing& z = e.sizing;
   if (z.decided) {
     send_sizing(e, 0, off::opcode::path_size, z.nonce, e.engine.config().mtu, true, 0);
+  } else if (z.rounds > 0 && z.rounds_heard == 0) {
+    // Nobody answered the first full round: the peer is not up yet (or
+    // gone). Only the unpadded probe until it answers, not tens of padded
+    // ones a round toward nobody.
+    send_sizing(e, 0, off::opcode::path_size, z.nonce, 0, false, 0);
+    z.last_full = false;
   } else {
+    z.last_full = true;
     const uint16_t paths = uint16_t(z.answered.size());
     for (uint16_t p = 0; p < paths; ++p) {
       if (!(z.answered[p] & 0x80)) send_sizing(e, p, off::opcode::path_size, z.nonce, 0, false, 0);
@@ -940,9 +957,10 @@ void EngineHost::sizing_round(Engine& e, uint64_t now) {
   }
   ++z.rounds;
   z.round_sent_ns = now;
-  // Until the peer answers (it may not be up yet) the rounds slow down;
-  // once it has, they come every few round trips.
-  if (z.rounds_heard == 0 && !z.decided) z.interval_ns = std::min(z.interval_ns * 2, sizing_max_interval_ns);
+  // Until the peer answers (it may not be up yet), and while a decision
+  // goes unacknowledged, the rounds slow down; between, they come every
+  // two round trips.
+  if (z.rounds_heard == 0 || z.decided) z.interval_ns = sizing_back_off(z.interval_ns, z.started_ns, now);
   z.next_ns = now + z.interval_ns;
   sizing_due_ = std::min(sizing_due_, z.next_ns);
 }
@@ -1002,10 +1020,13 @@ void EngineHost::on_path_sizing(Engine& e, const sockaddr_in& from, const uint8_
     // amplification), whatever the state: a late probe costs one answer.
     send_sizing(e, h.path, off::opcode::path_size_ack, h.challenge, h.size_bytes, false, length);
     // A leader still waiting for its peer: the peer is up now (the
-    // follower's hello), so the next round need not wait for the back-off.
+    // follower's hello), so a full round goes at once, not after the back-off.
     if (z.role == Engine::Sizing::Role::leader && !z.decided && z.rounds_heard == 0 &&
-        now - z.round_sent_ns >= sizing_first_interval_ns / 4)
+        now - z.round_sent_ns >= sizing_first_interval_ns / 4) {
+      z.rounds = 0;  // a full round
+      z.interval_ns = sizing_first_interval_ns;
       sizing_round(e, now);
+    }
     return;
   }
   // An answer: only the leader asked (the follower's hello is answered too,
@@ -1034,7 +1055,8 @@ void EngineHost::on_path_sizing(Engine& e, const sockaddr_in& from, const uint8_
     z.rounds_heard = 1;
     const uint64_t at = arrival && arrival >= z.round_sent_ns ? arrival : now;
     z.interval_ns = std::clamp<uint64_t>(2 * (at - z.round_sent_ns), sizing_first_interval_ns, sizing_max_heard_interval_ns);
-    z.next_ns = now + z.interval_ns;
+    // Woken by the unpadded probe alone: the padded ones go now.
+    z.next_ns = z.last_full ? now + z.interval_ns : now;
     sizing_due_ = std::min(sizing_due_, z.next_ns);
   }
   // Every path carried the largest size: no need to wait for the rest.
@@ -1087,7 +1109,8 @@ void EngineHost::sizing_timers_locked(uint64_t now) {
     }
     if (z.role == Engine::Sizing::Role::follower && now >= z.next_ns) {
       send_sizing(e, 0, off::opcode::path_size, 0, 0, false, 0);  // the hello again
-      z.next_ns = now + sizing_max_interval_ns;
+      z.interval_ns = sizing_back_off(z.interval_ns, z.started_ns, now);
+      z.next_ns = now + z.interval_ns;
     }
     if (z.role == Engine::Sizing::Role::leader) due = std::min(due, z.next_ns);
     // The follower and every waiting post need the clock for the limit.
