@@ -24,8 +24,10 @@
 #   pmtu       path MTU discovery: over jumbo frames end to end the
 #              connection keeps its 8704-byte packets; with every uplink of
 #              leaf 1 at 1500 bytes (the routers drop larger packets) it
-#              settles on 1280-byte packets and the stream and a READ
-#              stream finish byte-exact (both would lose every full packet)
+#              settles on 1280-byte packets and the stream, a READ stream
+#              and a stream in the engine daemon placement finish
+#              byte-exact (all would lose every full packet); a fabric that
+#              drops the sizing packets fails the work with a message
 #
 # Usage: tests/testbed/multipath_test.sh CASE BUILD_DIR
 # Exit 77 (ctest SKIP) when not root or `ip netns` is unavailable.
@@ -270,6 +272,23 @@ EOF
     wait "$server_pid" || { server_pid=; fail "the stellar_read_bw server failed"; }
     server_pid=
     grep -E '^ [0-9]' "$work/client.log" || fail "stellar_read_bw printed no result"
+    # The engine daemon placement: the sizing runs in each host's
+    # stellar-engined, with the same outcome.
+    with_engined=$here/../integration/with_engined.sh
+    engined=$build/stellar-engined
+    : > "$work/server.log"
+    "$testbed" exec 2 1 "$with_engined" "$engined" "$stream" --bind "$server_addr" -p 18603 -s 262144 --wait_client 60 \
+      --paths 16 > "$work/server.log" 2>&1 &
+    server_pid=$!
+    for _ in $(seq 200); do grep -q "waiting on" "$work/server.log" && break; sleep 0.05; done
+    "$testbed" exec 1 1 "$with_engined" "$engined" "$stream" "$server_addr" --bind "$client_addr" -p 18603 -s 262144 -n 50 \
+      --paths 16 > "$work/client.log" 2>&1 || fail "the stream in the daemon placement failed"
+    wait "$server_pid" || { server_pid=; fail "the server in the daemon placement failed"; }
+    server_pid=
+    grep -q "verified 50 chunks.*mismatches 0" "$work/server.log" || fail "the daemon placement's stream was not byte-exact"
+    (($(field path_mtu_lowered) == 1)) || fail "the client's engine daemon lowered the packet size $(field path_mtu_lowered) times"
+    echo "daemon placement across the 1500-byte link: $(per_packet) bytes per packet on average"
+    (($(per_packet) <= 1280 + 96)) || fail "$(per_packet) bytes per packet on average in the daemon placement"
     # A fabric that drops the sizing packets (opcodes 0x1c and 0x1d, byte 2
     # of the UDP payload): the posted work fails as a dead peer's would,
     # with a message, instead of waiting for ever or guessing a size.
