@@ -465,14 +465,14 @@ void print_counters(const ContextCounters& c) {
   std::fprintf(stderr,
                "counters: tx %llu packets %llu bytes, rx %llu packets %llu bytes, retransmitted %llu, timeouts %llu, tail probes %llu, "
                "duplicates %llu, dropped: malformed %llu unknown-qp %llu out-of-window %llu bad-token %llu full %llu, access errors %llu, "
-               "RNR NAKs sent %llu, injected drops %llu, send errors %llu, received into place %llu (misses %llu)\n",
+               "RNR NAKs sent %llu, injected drops %llu, send errors %llu, received into place %llu (misses %llu), receive calls %llu\n",
                (unsigned long long)c.tx_packets, (unsigned long long)c.tx_bytes, (unsigned long long)c.rx_packets, (unsigned long long)c.rx_bytes,
                (unsigned long long)c.retransmitted_packets, (unsigned long long)c.timeouts, (unsigned long long)c.tail_probes,
                (unsigned long long)c.rx_duplicates, (unsigned long long)c.rx_dropped_malformed, (unsigned long long)c.rx_dropped_unknown_qp,
                (unsigned long long)c.rx_dropped_out_of_window, (unsigned long long)c.rx_dropped_bad_token,
                (unsigned long long)c.rx_requests_dropped_full, (unsigned long long)c.rx_access_errors, (unsigned long long)c.rnr_naks_sent,
                (unsigned long long)c.fault_dropped, (unsigned long long)c.send_errors, (unsigned long long)c.rx_placed,
-               (unsigned long long)c.rx_placement_misses);
+               (unsigned long long)c.rx_placement_misses, (unsigned long long)c.rx_receive_calls);
 }
 
 int main(int argc, char** argv) {

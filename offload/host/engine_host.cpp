@@ -555,26 +555,37 @@ void EngineHost::note_expectation(Engine& e) {
   }
 }
 
-EngineHost::Placed EngineHost::receive_into_place(uint64_t now) {
+EngineHost::Placed EngineHost::receive_into_place(uint64_t now, int& taken) {
+  taken = 0;
   Engine& e = *expecting_;
   off::QpEngine::ExpectedWrite w;
   const uint32_t mtu = e.engine.config().mtu;
   constexpr uint32_t header = off::stellar_write_header_bytes, trailer = 4;  // stellar PSNs are 32 bits: psn + k wraps as they do
   const uint32_t segment = header + mtu + trailer;
-  Datagram& d = rx_[0];
-  if (!e.engine.expected_write(w) || d.capacity < segment) {
+  if (!e.engine.expected_write(w) || rx_[0].capacity < segment) {
     expecting_ = nullptr;
     return Placed::gave_up;
   }
+  // Two layouts. Where GRO hands a run of packets over as one datagram
+  // (seen on the last receive), that datagram's segments one after
+  // another; else one packet per datagram, up to max_placed_datagrams of
+  // them in one recvmmsg (a system call per packet costs more than the
+  // copy it saves on a path of 1280- or 8704-byte packets).
   // Only middle packets (a full MTU, no immediate: a fixed header): the
   // message's last one may carry an immediate, and goes through d.data.
   // The engine resolves the first place (the message's whole range, once
   // per receive); the later ones are that place plus whole MTUs, each for
   // a packet the engine still awaits.
-  uint32_t expected = 0;
-  iovec parts[UdpSocket::max_scatter];
+  const bool coalesced = placing_coalesced_;
+  // Not coalesced: batches only of packets up to 16 KiB (the system call
+  // is a large part of such a packet's cost; at loopback's 61440 bytes
+  // batches measured no better, or worse, than a datagram a call).
+  const uint32_t limit =
+      coalesced ? max_placed_segments : (mtu <= placed_batch_mtu ? place_batch_ : 1u);
+  uint32_t expected = 0;  // packets laid out
+  iovec parts[3 * max_placed];
   uint8_t* first = nullptr;
-  while (expected < max_placed_segments && (expected + 1) * segment <= d.capacity) {
+  while (expected < limit && (!coalesced || (expected + 1) * segment <= rx_[0].capacity)) {
     const uint64_t offset = uint64_t(w.offset) + uint64_t(expected) * mtu;
     if (offset + mtu >= w.message_length) break;
     if (expected == 0) {
@@ -594,63 +605,158 @@ EngineHost::Placed EngineHost::receive_into_place(uint64_t now) {
     expecting_ = nullptr;
     return Placed::gave_up;
   }
-  const uint32_t parts_bytes = expected * segment;
-  if (!socket_.receive_scattered(d, parts, int(3 * expected), parts_bytes)) return Placed::none;
+  UdpSocket::ScatterLayout layouts[max_placed_datagrams];
+  const uint32_t messages = coalesced ? 1 : expected;
+  for (uint32_t m = 0; m < messages; ++m)
+    layouts[m] = coalesced ? UdpSocket::ScatterLayout{parts, int(3 * expected), expected * segment}
+                           : UdpSocket::ScatterLayout{parts + 3 * m, 3, segment};
+  const int n = socket_.receive_scattered_batch(rx_, layouts, int(messages));
+  if (n == 0) return Placed::none;
   ++receive_calls_;
-  const uint64_t arrival = arrival_from_stamp(d.arrival_realtime_ns, realtime_offset(now), now);
-  // Which of the expected packets came, and whether the datagram is what
-  // was expected: every segment the full size, each one's headers those of
-  // the packet expected there, from the QP's peer.
-  const uint32_t step = d.segment_size ? d.segment_size : d.length;
-  const uint32_t came = d.length == 0 ? 0 : std::min(expected, (d.length + step - 1) / step);
-  bool as_expected = came > 0 && step == segment && came * segment <= d.length && same_address(e.peer, d.peer);
-  for (uint32_t k = 0; as_expected && k < came; ++k) {
+  taken = n;
+  // First, for every datagram that came, where its payload stands:
+  //   in_place   what was expected there (every segment the full size, each
+  //              one's headers those of the packet expected there, from the
+  //              QP's peer);
+  //   displaced  a packet of the same WRITE expected in another slot of this
+  //              batch (each datagram after an acknowledgement or a
+  //              duplicate lands one slot late): the engine copies it from
+  //              here to its place, once, as from a receive buffer;
+  //   other      anything else (an acknowledgement, another message, another
+  //              QP's or tenant's packet, a forgery): put back together in
+  //              its d.data and taken from there.
+  // All of this before any packet is taken, since taking one writes into
+  // its place, which may be another slot of this batch: a displaced packet
+  // bound for a later slot whose own payload is displaced too would
+  // overwrite it first, so that later slot is put back together instead
+  // (and so on along the chain); a datagram with more than its layout
+  // (GRO's run, the rest of which lands anywhere) makes every one `other`.
+  enum class Fit : uint8_t { in_place, displaced, other };
+  Fit fit[max_placed_datagrams];
+  uint32_t came[max_placed_datagrams], target[max_placed_datagrams];
+  bool runs = false;       // GRO coalesced some datagram
+  bool irregular = false;  // some datagram is longer than its layout
+  const auto& config = e.engine.config();
+  auto same_write = [&](const off::WritePlacement& p) {
+    return p.opcode == off::opcode::write_middle && p.dest_qpn == config.local_qpn && p.pkey == config.pkey &&
+           p.rkey == w.rkey && p.remote_addr == w.remote_addr && p.message_length == w.message_length;
+  };
+  for (int m = 0; m < n; ++m) {
+    const Datagram& d = rx_[m];
+    const uint32_t base = coalesced ? 0 : uint32_t(m);  // packet index of its first layout segment
+    const uint32_t laid = coalesced ? expected : 1;
+    const uint32_t step = d.segment_size ? d.segment_size : d.length;
+    if (d.segment_size && d.length > d.segment_size) runs = true;
+    if (d.length > layouts[m].bytes) irregular = true;
+    target[m] = UINT32_MAX;
+    came[m] = d.length == 0 ? 0 : std::min(laid, (d.length + step - 1) / step);
+    const bool whole = came[m] > 0 && step == segment && came[m] * segment <= d.length && same_address(e.peer, d.peer);
+    bool ok = whole;
     off::WritePlacement p;
-    as_expected = off::peek_write_placement(placed_headers_[k], header, p) && p.opcode == off::opcode::write_middle &&
-                  p.dest_qpn == e.engine.config().local_qpn && p.pkey == e.engine.config().pkey &&
-                  p.psn == w.psn + k && p.rkey == w.rkey && p.remote_addr == w.remote_addr &&
-                  p.message_length == w.message_length && p.message_offset == w.offset + k * mtu;
+    for (uint32_t k = 0; ok && k < came[m]; ++k) {
+      const uint32_t i = base + k;
+      ok = off::peek_write_placement(placed_headers_[i], header, p) && same_write(p) && p.psn == w.psn + i &&
+           p.message_offset == w.offset + i * mtu;
+    }
+    fit[m] = ok ? Fit::in_place : Fit::other;
+    if (ok || coalesced || !whole || d.length != segment || !off::peek_write_placement(placed_headers_[m], header, p) ||
+        !same_write(p))
+      continue;
+    const uint32_t slot = p.psn - w.psn;  // wraps as PSNs do
+    if (slot < expected && slot != uint32_t(m) && p.message_offset == w.offset + uint64_t(slot) * mtu) {
+      fit[m] = Fit::displaced;
+      target[m] = slot;
+    }
   }
-  if (!as_expected) {
-    // Something else came (an acknowledgement, another message, another
-    // QP's or tenant's packet, a duplicate, a forgery): put it back together
-    // in d.data, as a receive into it would have left it, and take it from
-    // there. What it left in the places is zeroed first: they await their
-    // own packets, but another connection's bytes must not stay in this
-    // application's memory if those never come. Batches again from here:
-    // the next WRITE packet taken starts the next expectation.
-    ++placement_misses_;
-    uint32_t at = 0;
-    for (uint32_t k = 0; k < expected && at < d.length; ++k)
-      for (int j = 0; j < 3; ++j) {
-        const iovec& v = parts[3 * k + uint32_t(j)];
-        const uint32_t n = std::min<uint32_t>(uint32_t(v.iov_len), d.length - at);
-        std::memcpy(d.data + at, v.iov_base, n);
-        if (j == 1) std::memset(v.iov_base, 0, n);
-        at += n;
+  for (bool changed = true; changed;) {
+    changed = false;
+    for (int m = 0; m < n; ++m) {
+      if (fit[m] == Fit::displaced && irregular) {
+        fit[m] = Fit::other;
+        changed = true;
       }
-    expecting_ = nullptr;
-    deliver_datagram(d, 0, now, arrival);
-    return Placed::one;
+      // (A displaced packet put back together still goes to its target.)
+      const bool bound = fit[m] == Fit::displaced || (fit[m] == Fit::other && target[m] < expected);
+      if (bound && target[m] > uint32_t(m) && target[m] < uint32_t(n) && fit[target[m]] == Fit::displaced) {
+        fit[target[m]] = Fit::other;
+        changed = true;
+      }
+    }
   }
-  if (d.segment_size) coalesced_ += (d.length + step - 1) / step;
-  heard_from(e, placed_headers_[0], arrival);
-  for (uint32_t k = 0; k < came; ++k) {
-    e.engine.receive_placed(placed_headers_[k], header, placed_at_[k], mtu, placed_trailers_[k], e.rx_addresses, now, arrival,
-                            d.congestion_mark);
-    // Refused (a bad CRC, a wrong token: not this connection's bytes):
-    // still awaited, and zeroed as after a miss.
-    if (e.engine.awaiting(w.psn + k)) std::memset(placed_at_[k], 0, mtu);
-    else ++placed_;
+  bool missed = false;
+  for (int m = 0; m < n; ++m) {
+    if (fit[m] == Fit::in_place) continue;
+    missed = true;
+    ++placement_misses_;
+    if (fit[m] == Fit::displaced) continue;
+    // What an `other` left in the places is zeroed: they await their own
+    // packets, but another connection's bytes must not stay in this
+    // application's memory if those never come. (A truncated datagram
+    // reads as length 0 but may have filled them all.)
+    const Datagram& d = rx_[m];
+    const UdpSocket::ScatterLayout& l = layouts[m];
+    uint32_t at = 0;
+    for (int j = 0; j < l.count; ++j) {
+      const iovec& v = l.parts[j];
+      const uint32_t bytes = std::min<uint32_t>(uint32_t(v.iov_len), d.length - at);
+      std::memcpy(d.data + at, v.iov_base, bytes);
+      if (j % 3 == 1) std::memset(v.iov_base, 0, d.length ? bytes : v.iov_len);
+      at += bytes;
+    }
   }
-  note_expectation(e);
-  // Segments beyond the expected ones (the message's last packet, or more
-  // than were laid out) are in d.data past the parts, whole.
-  if (d.length > parts_bytes) {
-    if (d.segment_size) coalesced_ -= (d.length - parts_bytes + step - 1) / step;  // counted above already
-    deliver_datagram(d, parts_bytes, now, arrival);
+  placing_coalesced_ = runs;
+  if (!coalesced) {
+    if (missed) place_batch_ = 1;
+    else if (uint32_t(n) == expected) place_batch_ = std::min(max_placed_datagrams, place_batch_ * 2);
   }
-  return Placed::one;
+  // Then each datagram in the order it came.
+  const int64_t realtime = realtime_offset(now);
+  for (int m = 0; m < n; ++m) {
+    const Datagram& d = rx_[m];
+    const uint64_t arrival = arrival_from_stamp(d.arrival_realtime_ns, realtime, now);
+    if (fit[m] == Fit::other) {
+      // Batches again from here: the next WRITE packet taken starts the
+      // next expectation.
+      if (expecting_ == &e) expecting_ = nullptr;
+      deliver_datagram(d, 0, now, arrival);
+      continue;
+    }
+    const uint32_t base = coalesced ? 0 : uint32_t(m);
+    heard_from(e, placed_headers_[base], arrival);
+    if (fit[m] == Fit::displaced) {
+      const uint64_t taken_before = e.engine.counters().rx_packets;  // counts packets whose token checked out
+      e.engine.receive_placed(placed_headers_[m], header, placed_at_[m], mtu, placed_trailers_[m], e.rx_addresses, now,
+                              arrival, d.congestion_mark);
+      // Refused (a bad CRC, a wrong token): not this connection's bytes,
+      // zeroed. (Nothing else wrote here yet: a packet bound for this slot
+      // from an earlier one would have made this one `other`.) Taken, or a
+      // duplicate: the peer's own bytes of this WRITE, overwritten when
+      // this slot's packet comes.
+      if (e.engine.counters().rx_packets == taken_before) std::memset(placed_at_[m], 0, mtu);
+      note_expectation(e);
+      continue;
+    }
+    const uint32_t step = d.segment_size ? d.segment_size : d.length;
+    if (d.segment_size) coalesced_ += (d.length + step - 1) / step;
+    for (uint32_t k = 0; k < came[m]; ++k) {
+      const uint32_t i = base + k;
+      e.engine.receive_placed(placed_headers_[i], header, placed_at_[i], mtu, placed_trailers_[i], e.rx_addresses, now,
+                              arrival, d.congestion_mark);
+      // Refused (a bad CRC, a wrong token: not this connection's bytes):
+      // still awaited, and zeroed as after a miss.
+      if (e.engine.awaiting(w.psn + i)) std::memset(placed_at_[i], 0, mtu);
+      else ++placed_;
+    }
+    note_expectation(e);
+    // Segments beyond the laid-out ones (the message's last packet, or more
+    // than were laid out) are in d.data past the parts, whole.
+    const uint32_t parts_bytes = layouts[m].bytes;
+    if (d.length > parts_bytes) {
+      if (d.segment_size) coalesced_ -= (d.length - parts_bytes + step - 1) / step;  // counted above already
+      deliver_datagram(d, parts_bytes, now, arrival);
+    }
+  }
+  return Placed::some;
 }
 
 bool EngineHost::progress_round_locked(uint64_t now, bool& more) {
@@ -661,11 +767,11 @@ bool EngineHost::progress_round_locked(uint64_t now, bool& more) {
     // A CLOCK_REALTIME step smaller than the 1 s arrival_from_stamp notices
     // skews the estimates until the next refresh of the offset.
     if (expecting_) {
-      // A WRITE streams in: one datagram at a time, straight into place,
+      // A WRITE streams in: straight into place, a receive at a time,
       // until something else comes or the message ends.
-      Placed r = Placed::one;
-      int taken = 0;
-      while (expecting_ && taken < rx_batch && (r = receive_into_place(now)) == Placed::one) ++taken;
+      Placed r = Placed::some;
+      int taken = 0, got = 0;
+      while (expecting_ && taken < rx_batch && (r = receive_into_place(now, got)) == Placed::some) taken += got;
       if (taken) work = true;
       if (r == Placed::none) break;  // the socket is empty
       if (expecting_) continue;      // more of the stream: another round

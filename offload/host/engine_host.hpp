@@ -174,10 +174,17 @@ class EngineHost final : public Host {
   // its WRITE's next packets are expected here; one datagram received into
   // place (none: the socket was empty; gave_up: nothing expected any more).
   void note_expectation(Engine& e);
-  enum class Placed { none, one, gave_up };
-  Placed receive_into_place(uint64_t now);
-  static constexpr uint32_t max_placed_segments = 5;  // 3 iovecs each, within UdpSocket::max_scatter
-  static_assert(3 * max_placed_segments <= uint32_t(UdpSocket::max_scatter));
+  // `taken`: how many datagrams the receive took.
+  enum class Placed { none, some, gave_up };
+  Placed receive_into_place(uint64_t now, int& taken);
+  // Packets one receive into place lays out (3 iovecs each): in one
+  // datagram when GRO coalesces them (64 KiB holds 49 of 1280 bytes), else
+  // one per datagram, all in one recvmmsg.
+  static constexpr uint32_t max_placed_segments = 64;
+  static constexpr uint32_t max_placed_datagrams = uint32_t(UdpSocket::max_scattered_batch);
+  static constexpr uint32_t max_placed = max_placed_segments;
+  static constexpr uint32_t placed_batch_mtu = 16384;
+  static_assert(3 * max_placed_segments <= uint32_t(UdpSocket::max_scatter) && max_placed_datagrams <= max_placed);
   // Reads the kernel's address notifications (rate-limited by `now`, the
   // round's clock: no clock read of its own); true if any came.
   bool address_changes(uint64_t now);
@@ -191,6 +198,7 @@ class EngineHost final : public Host {
   static constexpr int tx_batch = 64;  // datagrams per transmit pass (and per sendmmsg)
   static_assert(rx_batch <= UdpSocket::max_batch && tx_batch <= UdpSocket::max_batch,
                 "the socket fills and sends at most UdpSocket::max_batch datagrams per call");
+  static_assert(uint32_t(rx_batch) >= max_placed_datagrams, "a receive into place uses rx_'s datagrams");
 
   std::mutex& lock_;
   HostClient& client_;
@@ -224,9 +232,15 @@ class EngineHost final : public Host {
   uint64_t malformed_ = 0, unknown_qp_ = 0, send_errors_ = 0, receive_calls_ = 0, coalesced_ = 0;
   uint64_t placed_ = 0, placement_misses_ = 0;
   Engine* expecting_ = nullptr;  // direct placement: whose WRITE the next datagrams likely continue
-  uint8_t placed_headers_[max_placed_segments][offload::stellar_write_header_bytes];
-  uint8_t placed_trailers_[max_placed_segments][4];
-  uint8_t* placed_at_[max_placed_segments] = {};
+  bool placing_coalesced_ = false;  // the last receive into place found GRO's runs: lay out one datagram
+  // Datagrams the next receive into place lays out when not coalesced:
+  // halved after a batch with a miss (every datagram after a loss or an
+  // acknowledgement lands one place off and is copied twice), doubled after
+  // a batch that came whole.
+  uint32_t place_batch_ = max_placed_datagrams;
+  uint8_t placed_headers_[max_placed][offload::stellar_write_header_bytes];
+  uint8_t placed_trailers_[max_placed][4];
+  uint8_t* placed_at_[max_placed] = {};
   uint64_t migrations_ = 0, path_challenges_ = 0, migrations_rejected_ = 0, migration_dropped_ = 0, rebinds_ = 0;
   uint64_t mtu_probes_ = 0, mtu_lowered_ = 0, mtu_failed_ = 0, mtu_last_ns_ = 0;  // HostCounters::path_mtu_*
   uint32_t sizing_engines_ = 0;  // engines whose path sizing is under way

@@ -248,23 +248,40 @@ void UdpSocket::finish_received(const msghdr& h, unsigned length, Datagram& d) {
   }
 }
 
-bool UdpSocket::receive_scattered(Datagram& d, const iovec* parts, int count, uint32_t parts_bytes) {
-  iovec v[max_scatter + 1];
-  if (count < 0 || count > max_scatter || parts_bytes > d.capacity) return false;
-  std::copy(parts, parts + count, v);
-  v[count] = {d.data + parts_bytes, d.capacity - parts_bytes};
-  msghdr h{};
-  h.msg_name = &d.peer;
-  h.msg_namelen = sizeof(sockaddr_in);
-  h.msg_iov = v;
-  h.msg_iovlen = size_t(count) + 1;
-  alignas(cmsghdr) char control[control_bytes];
-  h.msg_control = control;
-  h.msg_controllen = sizeof control;
-  const ssize_t r = ::recvmsg(fd_, &h, MSG_DONTWAIT);
-  if (r < 0) return false;
-  finish_received(h, unsigned(r), d);
-  return true;
+int UdpSocket::receive_scattered_batch(Datagram* batch, const ScatterLayout* layouts, int count) {
+  if (count < 1 || count > max_scattered_batch) return 0;
+  mmsghdr messages[max_scattered_batch];
+  iovec v[max_scatter + max_scattered_batch];  // each layout's parts, then a piece for the rest
+  alignas(cmsghdr) char control[max_scattered_batch][control_bytes];
+  int used = 0;
+  for (int k = 0; k < count; ++k) {
+    const ScatterLayout& l = layouts[k];
+    Datagram& d = batch[k];
+    if (l.count < 0 || used - k + l.count > max_scatter || l.bytes > d.capacity) return 0;
+    iovec* mine = v + used;
+    std::copy(l.parts, l.parts + l.count, mine);
+    mine[l.count] = {d.data + l.bytes, d.capacity - l.bytes};  // whatever is longer than the layout
+    used += l.count + 1;
+    msghdr& h = messages[k].msg_hdr;
+    h = msghdr{};
+    h.msg_name = &d.peer;
+    h.msg_namelen = sizeof(sockaddr_in);
+    h.msg_iov = mine;
+    h.msg_iovlen = size_t(l.count) + 1;
+    h.msg_control = control[k];
+    h.msg_controllen = control_bytes;
+  }
+  // One datagram: recvmsg (recvmmsg costs a little more for a single one).
+  int n;
+  if (count == 1) {
+    const ssize_t r = ::recvmsg(fd_, &messages[0].msg_hdr, MSG_DONTWAIT);
+    n = r < 0 ? 0 : 1;
+    if (n) messages[0].msg_len = unsigned(r);
+  } else {
+    n = std::max(0, ::recvmmsg(fd_, messages, unsigned(count), MSG_DONTWAIT, nullptr));
+  }
+  for (int k = 0; k < n; ++k) finish_received(messages[k].msg_hdr, messages[k].msg_len, batch[k]);
+  return n;
 }
 
 namespace {

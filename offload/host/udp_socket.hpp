@@ -125,15 +125,23 @@ class UdpSocket {
   int receive_batch(Datagram* batch, int count, bool fresh = false);
   static constexpr uint32_t ecn_sample_calls = 8;
   static constexpr uint32_t ecn_watch_calls = 1u << 20;  // about half a second of busy-polling
-  // Receives one datagram without blocking, its first bytes into `parts`
-  // (count iovecs of parts_bytes in all, at most max_scatter: the caller's
-  // layout, e.g. headers into a buffer and payloads into their place) and
-  // whatever is longer into d.data + parts_bytes, so that copying the parts
-  // to d.data[0, parts_bytes) makes it one contiguous datagram again. Fills
-  // d as receive_batch does (length: the whole datagram's); false when none
-  // was waiting.
-  static constexpr int max_scatter = 16;
-  bool receive_scattered(Datagram& d, const struct iovec* parts, int count, uint32_t parts_bytes);
+  // Receives up to `count` (at most max_scattered_batch) datagrams without
+  // blocking, in one system call; datagram k's first bytes go into
+  // layouts[k]'s iovecs (the caller's layout, e.g. headers into a buffer
+  // and payloads into their place) and whatever is longer into
+  // batch[k].data + layouts[k].bytes, so that copying the parts to
+  // data[0, bytes) makes it one contiguous datagram again. Returns how many
+  // came (0 when none was waiting), each filled as receive_batch fills it
+  // (length: the whole datagram's). All the layouts together have at most
+  // max_scatter iovecs.
+  static constexpr int max_scatter = 192;
+  struct ScatterLayout {
+    const struct iovec* parts = nullptr;
+    int count = 0;       // iovecs
+    uint32_t bytes = 0;  // their total, at most the datagram's capacity
+  };
+  static constexpr int max_scattered_batch = 16;
+  int receive_scattered_batch(Datagram* batch, const ScatterLayout* layouts, int count);
   // Sends count datagrams (each to its peer); returns how many the kernel
   // took. Failures other than "would block" are counted by the caller.
   int send_batch(Datagram* batch, int count, int& error);

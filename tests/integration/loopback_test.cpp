@@ -2,6 +2,7 @@
 // manager: every opcode, both modes, with fault injection on; dead peers;
 // tenants; API misuse; blind packet injection (the stellar connection token).
 #include <arpa/inet.h>
+#include <linux/filter.h>
 #include <linux/if_packet.h>
 #include <net/ethernet.h>
 #include <net/if.h>
@@ -622,6 +623,16 @@ class LoCapture {
     a.sll_ifindex = int(::if_nametoindex("lo"));
     const int bytes = 16 << 20;  // GSO batches are up to 64 KiB each: room for all of this test's
     ::setsockopt(fd_, SOL_SOCKET, SO_RCVBUFFORCE, &bytes, sizeof bytes);
+    // UDP only until the ports are known (only_ports): a TCP stream on lo
+    // fills the buffer in milliseconds.
+    sock_filter udp[] = {
+        BPF_STMT(BPF_LD | BPF_B | BPF_ABS, 9),
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, IPPROTO_UDP, 0, 1),
+        BPF_STMT(BPF_RET | BPF_K, 256),
+        BPF_STMT(BPF_RET | BPF_K, 0),
+    };
+    sock_fprog prog{uint16_t(sizeof udp / sizeof udp[0]), udp};
+    ::setsockopt(fd_, SOL_SOCKET, SO_ATTACH_FILTER, &prog, sizeof prog);
     if (a.sll_ifindex == 0 || ::bind(fd_, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
       ::close(fd_);
       fd_ = -1;
@@ -631,6 +642,32 @@ class LoCapture {
     if (fd_ >= 0) ::close(fd_);
   }
   bool ok() const { return fd_ >= 0; }
+  // From now on keep only UDP packets to these two ports (what was queued
+  // before stays). Other tests on lo, run side by side under ctest -j, can
+  // send gigabytes a second: unfiltered, they overflow even a 16 MiB buffer.
+  void only_ports(uint16_t p1, uint16_t p2) {
+    // Classic BPF over the IP header (a SOCK_DGRAM packet socket's filter
+    // sees the packet from its network header).
+    sock_filter code[] = {
+        BPF_STMT(BPF_LD | BPF_B | BPF_ABS, 9),                 // IP protocol
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, IPPROTO_UDP, 0, 5),
+        BPF_STMT(BPF_LDX | BPF_B | BPF_MSH, 0),                // X = IP header length
+        BPF_STMT(BPF_LD | BPF_H | BPF_IND, 2),                 // UDP destination port
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, p1, 1, 0),
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, p2, 0, 1),
+        BPF_STMT(BPF_RET | BPF_K, 256),                        // keep the headers
+        BPF_STMT(BPF_RET | BPF_K, 0),
+    };
+    sock_fprog prog{uint16_t(sizeof code / sizeof code[0]), code};
+    if (fd_ >= 0) ::setsockopt(fd_, SOL_SOCKET, SO_ATTACH_FILTER, &prog, sizeof prog);
+  }
+  // Packets the kernel dropped for want of room since the last call.
+  uint64_t dropped() {
+    tpacket_stats stats{};
+    socklen_t len = sizeof stats;
+    if (fd_ < 0 || ::getsockopt(fd_, SOL_PACKET, PACKET_STATISTICS, &stats, &len) != 0) return 0;
+    return stats.tp_drops;
+  }
   void drain() {
     uint8_t buffer[256];
     for (;;) {
@@ -659,6 +696,8 @@ TEST_P(Loopback, LoopbackCrcIsLeftOutOnlyWhereBothAgree) {
     const bool stellar = GetParam() == Mode::stellar;
     EXPECT_EQ(c.qp_a->local_endpoint().loopback_unchecked, stellar && !crc_a);
     EXPECT_EQ(c.qp_b->local_endpoint().loopback_unchecked, stellar);
+    capture.only_ports(c.qp_a->local_endpoint().udp_port, c.qp_b->local_endpoint().udp_port);
+    uint64_t capture_drops = capture.dropped();
     std::vector<uint8_t> at_a(200000, 0), at_b(200000, 0);
     const std::vector<uint8_t> from_a = pattern(at_b.size(), 31), from_b = pattern(at_a.size(), 32);
     auto tmr_a = c.pd_a->register_memory(at_a.data(), at_a.size(), access_local_write | access_remote_write).value();
@@ -689,12 +728,20 @@ TEST_P(Loopback, LoopbackCrcIsLeftOutOnlyWhereBothAgree) {
       continue;
     }
     capture.drain();
+    capture_drops += capture.dropped();
+    if (capture_drops != 0)
+      std::fprintf(stderr, "LoopbackCrcIsLeftOutOnlyWhereBothAgree: the capture lost %llu packets: counts not checked\n",
+                   static_cast<unsigned long long>(capture_drops));
     // On the wire: every packet between the two QPs is unchecked both ways
     // when both agreed, and none is when either keeps the CRC.
     for (const auto& qp : {c.qp_a, c.qp_b}) {
       const auto [unchecked, checked] = capture.seen[qp->local_endpoint().udp_port];
       const uint64_t total = unchecked + checked;
-      EXPECT_GT(total, 3u) << "to port " << qp->local_endpoint().udp_port;
+      // A capture that lost packets cannot vouch for how many there were;
+      // the flags of those it kept still count.
+      if (capture_drops == 0) {
+        EXPECT_GT(total, 3u) << "to port " << qp->local_endpoint().udp_port;
+      }
       if (crc_a) EXPECT_EQ(unchecked, 0u) << "checked " << checked;
       else EXPECT_EQ(checked, 0u) << "unchecked " << unchecked;
     }
@@ -706,14 +753,19 @@ TEST_P(Loopback, LoopbackCrcIsLeftOutOnlyWhereBothAgree) {
 // byte-exact with most packets received straight into their place; with
 // loss, duplicates and reordering (each a datagram other than the one
 // expected somewhere) too; with STELLAR_RX_PLACEMENT=0 nothing is placed.
+// At 1280-byte packets (an Ethernet path) one receive takes many datagrams
+// into their places at once (recvmmsg), so that a miss sits among placed
+// datagrams of the same batch: with faults too, every byte lands.
 // The engine daemon's engines cannot address the application's memory:
 // nothing is placed there either.
 TEST(Placement, AWriteStreamIsReceivedStraightIntoPlace) {
-  for (const int variant : {0, 1, 2}) {
-    const bool faults = variant == 1, off = variant == 2;
+  for (const int variant : {0, 1, 2, 3, 4}) {
+    const bool faults = variant == 1 || variant == 4, off = variant == 2, small = variant >= 3;
     if (off) ::setenv("STELLAR_RX_PLACEMENT", "0", 1);
+    if (small) ::setenv("STELLAR_MTU", "1280", 1);
     Connection c(Mode::stellar, "", "", {}, ProgressMode::inline_poll, faults);
     if (off) ::unsetenv("STELLAR_RX_PLACEMENT");
+    if (small) ::unsetenv("STELLAR_MTU");
     ASSERT_TRUE(c.connect_status.ok()) << c.connect_status.to_string();
     constexpr size_t bytes = 4 << 20;
     std::vector<uint8_t> at_a(bytes), at_b(bytes), from_a(bytes), from_b(bytes);
@@ -748,10 +800,21 @@ TEST(Placement, AWriteStreamIsReceivedStraightIntoPlace) {
         EXPECT_EQ(k.rx_placed, 0u) << "variant " << variant;
       } else {
         // Only a message's middle packets are placed, and only after the
-        // first of them came through a buffer.
-        EXPECT_GT(k.rx_placed, packets / 2) << "variant " << variant << ", misses " << k.rx_placement_misses;
+        // first of them came through a buffer. At 1280 bytes with faults,
+        // fewer: loopback hands the sender's GSO runs over whole (GRO), and
+        // a run with a lost, duplicated or late packet among its laid-out
+        // segments is taken through a buffer as a whole (2% of each, ~49
+        // packets a run).
+        const uint64_t least = small && faults ? packets / 8 : packets / 2;
+        EXPECT_GT(k.rx_placed, least) << "variant " << variant << ", misses " << k.rx_placement_misses;
         if (faults) {
           EXPECT_GT(k.rx_placement_misses, 0u);
+        }
+        if (small) {
+          EXPECT_EQ(ctx->options().mtu, 1280u);
+          // Batches, not a system call per packet (the peer sends faster
+          // than one datagram per poll: its GSO runs arrive together).
+          EXPECT_LT(k.rx_receive_calls, k.rx_placed / 2) << "variant " << variant;
         }
       }
     }

@@ -10,6 +10,8 @@
 
 #include <gtest/gtest.h>
 
+#include <sys/uio.h>
+
 #include <cstring>
 #include <vector>
 
@@ -108,3 +110,41 @@ TEST(UdpSocket, StaleReceiveKeepsTheArrivalStamp) {
 }
 
 }  // namespace
+
+// Receiving into place takes several datagrams in one call, each into its
+// own layout: datagram k's first bytes into its parts, the rest after
+// layouts[k].bytes in its own buffer; one longer than its buffer still
+// reads as truncated.
+TEST(UdpSocket, ScatteredBatchLaysEachDatagramOutOnItsOwn) {
+  Receiver r(256);
+  Sender s;
+  s.send(r.socket, 100, 0x21);
+  s.send(r.socket, 40, 0x22);   // shorter than its layout
+  s.send(r.socket, 1000, 0x23); // longer than its buffer
+  s.send(r.socket, 70, 0x24);   // not laid out for: stays queued
+  uint8_t head[3][16], body[3][64];
+  iovec parts[6];
+  UdpSocket::ScatterLayout layouts[3];
+  for (int k = 0; k < 3; ++k) {
+    parts[2 * k] = {head[k], sizeof head[k]};
+    parts[2 * k + 1] = {body[k], sizeof body[k]};
+    layouts[k] = {parts + 2 * k, 2, 80};
+  }
+  int n = 0;
+  for (int i = 0; i < 100000 && n == 0; ++i) n = r.socket.receive_scattered_batch(r.batch.data(), layouts, 3);
+  ASSERT_EQ(n, 3);
+  EXPECT_EQ(r.batch[0].length, 100u);
+  EXPECT_EQ(head[0][15], 0x21);
+  EXPECT_EQ(body[0][63], 0x21);
+  EXPECT_EQ(r.batch[0].data[80], 0x21);  // byte 80 on: its own buffer, past the layout
+  EXPECT_EQ(r.batch[0].data[99], 0x21);
+  EXPECT_EQ(r.batch[1].length, 40u);
+  EXPECT_EQ(body[1][23], 0x22);
+  EXPECT_EQ(r.batch[2].length, 0u) << "a datagram longer than layout and buffer must read as truncated";
+  EXPECT_EQ(r.batch[0].peer.sin_addr.s_addr, htonl(INADDR_LOOPBACK));
+  ASSERT_EQ(r.receive(false), 1);
+  EXPECT_EQ(r.batch[0].length, 70u);
+  EXPECT_EQ(r.batch[0].data[0], 0x24);
+  // Nothing waiting: none, without blocking.
+  EXPECT_EQ(r.socket.receive_scattered_batch(r.batch.data(), layouts, 3), 0);
+}
