@@ -36,6 +36,7 @@ class Engined {
   ~Engined() {
     stop(SIGTERM);
     ::unlink(log_.c_str());
+    ::unlink(socket_.c_str());  // left behind by a daemon a test killed with SIGKILL
     ::rmdir(dir_.c_str());
   }
   void start(std::vector<std::string> extra = {}) {
