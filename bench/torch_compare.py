@@ -109,7 +109,7 @@ def worker(rank, world, port, backend, args, out):
         tensor = torch.ones(size // 4, dtype=torch.float32)
         iters = max(5, min(1000, (64 << 20) // size // 2))
         times[size] = time_allreduce(group, group, tensor, iters)
-    step, params = ddp_step_time(group, group, rank, args.ddp_steps)
+    step, params = ddp_step_time(group, group, rank, args.ddp_steps) if args.ddp_steps > 0 else (None, None)
     if rank == 0:
         counters = group.counters() if backend != "gloo" else None
         out[backend] = (times, step, params, counters)
@@ -126,7 +126,7 @@ def run_world(world, args):
             samples[b].append(out[b])
     sizes = sorted(samples["gloo"][0][0])
     rows = [(size, {b: statistics.median(r[0][size] for r in samples[b]) for b in BACKENDS}) for size in sizes]
-    ddp = {b: statistics.median(r[1] for r in samples[b]) for b in BACKENDS}
+    ddp = {b: statistics.median(r[1] for r in samples[b]) for b in BACKENDS} if args.ddp_steps > 0 else None
     return rows, ddp, samples["gloo"][0][2], samples["stellar"][-1][3], samples["stellar-net"][-1][3]
 
 
@@ -143,6 +143,9 @@ def report(world, rows, ddp, params, shm_counters, net_counters):
         print(f"| {human(size)} | {t['stellar'] * 1e6:.1f} | {t['stellar-net'] * 1e6:.1f} | {t['gloo'] * 1e6:.1f} "
               f"| {bw['stellar']:.3f} | {bw['stellar-net']:.3f} | {bw['gloo']:.3f} "
               f"| {t['gloo'] / t['stellar']:.2f} | {t['gloo'] / t['stellar-net']:.2f} |")
+    if ddp is None:  # --ddp-steps 0
+        sys.stdout.flush()
+        return
     print(f"\nDDP step (MLP 256-1024-1024-256, {params} parameters, batch 32, CPU): "
           + ", ".join(f"{b} {ddp[b] * 1e3:.2f} ms" for b in BACKENDS)
           + f"; stellar / gloo {ddp['stellar'] / ddp['gloo']:.2f}, stellar-net / gloo {ddp['stellar-net'] / ddp['gloo']:.2f}")
@@ -155,8 +158,10 @@ def main():
     parser.add_argument("--min", type=parse_size, default=parse_size("1K"))
     parser.add_argument("--max", type=parse_size, default=parse_size("64M"))
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--ddp-steps", type=int, default=20)
+    parser.add_argument("--ddp-steps", type=int, default=20, help="DDP steps to time (0: no DDP measurement)")
     args = parser.parse_args()
+    if args.rounds < 1 or args.ddp_steps < 0 or args.min < 4 or args.max < args.min or any(w < 2 for w in args.world):
+        parser.error("want --rounds >= 1, --ddp-steps >= 0, 4 <= --min <= --max, and worlds of 2 or more")
     print(f"# torch {torch.__version__}, {os.cpu_count()} CPUs, {datetime.datetime.now().isoformat(timespec='seconds')}")
     for world in args.world:
         report(world, *run_world(world, args))
