@@ -216,7 +216,13 @@ class EngineHost final : public Host {
   // host's, or shared with other hosts (use_scheduler_locked).
   std::shared_ptr<SharedScheduler> scheduling_ = std::make_shared<SharedScheduler>();
   FlowScheduler& sched() const { return scheduling_->scheduler; }
-  std::unique_lock<std::mutex> hold_scheduler() const { return std::unique_lock(scheduling_->lock); }
+  // The scheduler's lock, needed only while it is shared with other hosts
+  // (each under its own context mutex); a host's own scheduler is already
+  // guarded by the context mutex every *_locked caller holds, and taking a
+  // second lock twice per busy-poll round cost cycles on the latency path.
+  std::unique_lock<std::mutex> hold_scheduler() const {
+    return shared_scheduler_ ? std::unique_lock(scheduling_->lock) : std::unique_lock<std::mutex>();
+  }
   bool shared_scheduler_ = false;
   std::vector<Engine*> flow_engines_;  // by FlowScheduler::Flow
   // Detached engines' counters and waits, by "tenant\0job\0class".
