@@ -112,10 +112,24 @@ case $case_name in
     ;;
 
   blackhole)
-    start_stream 1200 262144 --paths 16
-    sleep 0.4
+    # The drop must land mid-transfer: it is set once the fabric carries the
+    # stream (not after a fixed sleep: 1200 chunks once finished in 0.26 s,
+    # before a drop set at 0.4 s), and the stream is long (1.2 GB) so that
+    # it is still running when the drop lands. 32 paths: the chance that no
+    # path of the client hashes through spine 2 is (3/4)^32, not (3/4)^16.
+    read -r -a before <<< "$(spine_counts)"
+    start_stream 4800 262144 --paths 32
+    for _ in $(seq 500); do
+      read -r -a now <<< "$(spine_counts)"
+      moved=0
+      for i in 0 1 2 3; do moved=$((moved + now[i] - before[i])); done
+      ((moved > 1000)) && break
+      sleep 0.02
+    done
     "$testbed" set-loss spine 2 100
-    wait_stream 1200
+    wait_stream 4800
+    dropped=$("$testbed" status | awk '/spine2: counter packets/ {print $4; exit}')
+    echo "spine 2 dropped ${dropped:-?} packets"
     (($(field paths_retired) >= 1)) || fail "no path was retired"
     ;;
 
