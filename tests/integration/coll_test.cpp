@@ -678,6 +678,63 @@ TEST(PointToPoint, SendsAndReceivesInterleaveWithoutDeadlock) {
   expect_all_zero(run_ranks(3, [](Communicator& c, int) { return point_to_point(c); }, [](CommunicatorOptions& o) { o.shared_memory = true; }));
 }
 
+// Credits are coalesced (one per slots/2 freed), so a receiver may owe a
+// sender the credit it needs while it waits on someone else. Rank 0 sends
+// five messages to rank 1 (one more than the four slots) and needs the
+// fifth posted before it can send to rank 2; rank 1 takes the first, then
+// waits for rank 2, which waits for rank 0. Rank 1 owes one credit, below
+// a batch: only the idle flush lets rank 0 go on, well inside the timeout.
+TEST(PointToPoint, AReceiverReturnsOwedCreditsWhileItWaitsElsewhere) {
+  auto opts = [](CommunicatorOptions& o) {
+    o.slots = 4;
+    o.timeout = 5s;
+  };
+  expect_all_zero(run_ranks(
+      3,
+      [](Communicator& comm, int rank) {
+        std::vector<int32_t> m(5 * 64, rank), x(64, 7);
+        if (rank == 0) {
+          std::vector<uint64_t> ids;
+          for (int k = 0; k < 5; ++k) {
+            auto id = comm.start_send(1, m.data() + 64 * k, 256, uint32_t(k));
+            if (!id) return 2;
+            ids.push_back(*id);
+          }
+          CHECK_OK(comm.wait(ids.back()), "wait for the fifth send");
+          auto id = comm.start_send(2, x.data(), 256, 9);
+          if (!id) return 3;
+          CHECK_OK(comm.wait(*id), "send to rank 2");
+          for (uint64_t i : ids) CHECK_OK(comm.wait(i), "sends to rank 1");
+        } else if (rank == 1) {
+          std::vector<int32_t> in(5 * 64, -1), y(64, -1);
+          auto first = comm.start_recv(0, in.data(), 256, 0);
+          if (!first) return 4;
+          CHECK_OK(comm.wait(*first), "first message");
+          auto from2 = comm.start_recv(2, y.data(), 256, 9);
+          if (!from2) return 5;
+          CHECK_OK(comm.wait(*from2), "rank 2's message");
+          for (int k = 1; k < 5; ++k) {
+            auto id = comm.start_recv(0, in.data() + 64 * k, 256, uint32_t(k));
+            if (!id) return 6;
+            CHECK_OK(comm.wait(*id), "the rest from rank 0");
+          }
+          for (int32_t v : in)
+            if (v != 0) return 7;
+          if (y[0] != 7) return 8;
+        } else {
+          std::vector<int32_t> in(64, -1);
+          auto id = comm.start_recv(0, in.data(), 256, 9);
+          if (!id) return 9;
+          CHECK_OK(comm.wait(*id), "rank 0's message");
+          auto out = comm.start_send(1, in.data(), 256, 9);
+          if (!out) return 10;
+          CHECK_OK(comm.wait(*out), "send to rank 1");
+        }
+        return 0;
+      },
+      opts, 60s));
+}
+
 TEST(PointToPoint, MismatchedSizesOrTagsAndSilentPeersAreErrors) {
   auto short_timeout = [](CommunicatorOptions& o) { o.timeout = 3s; };
   for (int variant = 0; variant < 3; ++variant) {

@@ -65,6 +65,21 @@ fail() {
 server_addr=$("$testbed" addr 2 1)
 client_addr=$("$testbed" addr 1 1)
 spine_counts() { "$testbed" counters | awk '{print $2}' | paste -sd' '; }
+# Returns once the spines have forwarded 1000 packets more than at the call
+# (or after 10 s): a change meant to land mid-stream follows the traffic,
+# not a fixed sleep that a fast or slow host outruns.
+wait_for_flow() {
+  local -a base now
+  local moved i
+  read -r -a base <<< "$(spine_counts)"
+  for _ in $(seq 500); do
+    read -r -a now <<< "$(spine_counts)"
+    moved=0
+    for i in 0 1 2 3; do moved=$((moved + now[i] - base[i])); done
+    ((moved > 1000)) && return 0
+    sleep 0.02
+  done
+}
 
 # stream CHUNKS CHUNK_BYTES [stellar_stream options...]: runs the server in
 # host 2.1 and the client in host 1.1 in the background; wait_stream waits.
@@ -117,15 +132,8 @@ case $case_name in
     # before a drop set at 0.4 s), and the stream is long (1.2 GB) so that
     # it is still running when the drop lands. 32 paths: the chance that no
     # path of the client hashes through spine 2 is (3/4)^32, not (3/4)^16.
-    read -r -a before <<< "$(spine_counts)"
     start_stream 4800 262144 --paths 32
-    for _ in $(seq 500); do
-      read -r -a now <<< "$(spine_counts)"
-      moved=0
-      for i in 0 1 2 3; do moved=$((moved + now[i] - before[i])); done
-      ((moved > 1000)) && break
-      sleep 0.02
-    done
+    wait_for_flow
     "$testbed" set-loss spine 2 100
     wait_stream 4800
     dropped=$("$testbed" status | awk '/spine2: counter packets/ {print $4; exit}')
@@ -242,10 +250,11 @@ EOF
     ;;
 
   move)
-    # Long enough to be moving when the address changes at 0.4 s on a fast
-    # run too (3000 chunks once took longer than that here; now 0.37 s).
+    # The address changes once the fabric carries the stream (not after a
+    # fixed sleep, which left a ~1 GB stream only about 2x margin at 1.2
+    # GB/s), so the move lands mid-transfer however fast the host is.
     start_stream 15000 65536 --paths 16
-    sleep 0.4
+    wait_for_flow
     "$testbed" move-host 1 1 9
     wait_stream 15000
     grep -q "local 10.1.1.9" "$work/client.log" || fail "the client did not move to 10.1.1.9"
