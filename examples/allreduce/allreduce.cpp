@@ -224,7 +224,8 @@ int run_rank(const Options& o, CommunicatorOptions co) {
     // Which pairs skip the network (ranks on this host, unless turned off).
     const std::string shm = comm.size() == 1 ? "none (one rank)"
                             : c.shared_memory_peers > 0
-                                ? std::to_string(c.shared_memory_peers) + " of " + std::to_string(comm.size() - 1) + " peers (rank 0)"
+                                ? std::to_string(c.shared_memory_peers) + " of " + std::to_string(comm.size() - 1) + " peers (rank 0; " +
+                                      std::to_string(c.shared_memory_single_copy_peers) + " single-copy)"
                                 : std::string(o.no_shm ? "off (--no-shm)" : "off (no peer on this host could share it)");
     std::printf("# transport: provider %s, mode %s, cc %s, wait %s, algorithm %s, chunk %s, qps per peer %u, shared memory %s, direct gather %s\n#\n",
                 o.provider.c_str(), o.mode.c_str(), o.cc.c_str(), wait.c_str(), o.algorithm.c_str(), o.chunk.c_str(), o.qps, shm.c_str(),

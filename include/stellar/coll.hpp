@@ -106,7 +106,11 @@ struct CommunicatorOptions {
   // output is (16 bytes at the start of the call) and registers it for
   // remote writes for the call's duration. Decided per pair at bootstrap:
   // both ranks must allow it (false here or STELLAR_COLL_DIRECT=0 on either
-  // keeps the pair on landing slots); pairs on shared memory never use it.
+  // keeps the pair on landing slots). A pair on shared memory does it with
+  // process_vm_writev(2) (single copy, as Open MPI's vader and UCX's cma
+  // do) where the kernel lets the writer into the reader's process (same
+  // user, no Yama or seccomp rule against it: probed at bootstrap), and
+  // keeps to its slots where not.
   bool direct_gather = true;
 
   // Reads the launcher's environment on top of `base`: torchrun's RANK,
@@ -151,6 +155,9 @@ struct CommunicatorCounters {
   int cpus = 1;
   bool oversubscribed = false;
   int shared_memory_peers = 0;  // peers this rank talks to through shared memory (the rest: the network)
+  // Of those, the peers this rank may write into with one copy
+  // (process_vm_writev: direct gather on shared memory).
+  int shared_memory_single_copy_peers = 0;
   // Gather-step bytes the previous rank wrote straight into this rank's
   // output (CommunicatorOptions::direct_gather), not copied out of a slot.
   uint64_t bytes_gathered_in_place = 0;

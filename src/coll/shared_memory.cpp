@@ -7,6 +7,7 @@
 #include <sys/random.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -19,7 +20,7 @@ namespace stellar::coll::detail {
 
 namespace {
 
-constexpr uint64_t segment_magic = 0x314d48535254534cull;  // "LSTRSHM1"
+constexpr uint64_t segment_magic = 0x324d48535254534cull;  // "LSTRSHM2" (2: adverts, owner pid and probe address)
 constexpr const char* name_prefix = "/stellar-coll-";
 
 struct SegmentHeader {
@@ -29,6 +30,10 @@ struct SegmentHeader {
   uint32_t slots;
   uint64_t chunk_bytes;
   uint64_t total_bytes;
+  // For the single-copy probe: the owner's process id and where `token`
+  // is in the owner's address space (its own mapping of this header).
+  int32_t owner_pid;
+  uint64_t probe_address;
   alignas(64) std::atomic<uint32_t> doorbell;
   std::atomic<uint32_t> sleeping;  // owner threads asleep on the doorbell
 };
@@ -37,7 +42,9 @@ static_assert(std::atomic<uint32_t>::is_always_lock_free && std::atomic<uint64_t
 
 constexpr size_t round_up(size_t v, size_t to) { return (v + to - 1) / to * to; }
 constexpr size_t blocks_offset = round_up(sizeof(SegmentHeader), 64);
-size_t block_bytes(uint32_t slots) { return 2 * 64 + round_up(8 * size_t(slots), 64); }
+constexpr size_t meta_offset = 2 * 64 + sizeof(RingAdvertLines);
+static_assert(sizeof(RingAdvertLines) % 64 == 0, "the advert lines end on a cache line");
+size_t block_bytes(uint32_t slots) { return meta_offset + round_up(8 * size_t(slots), 64); }
 size_t header_bytes(const SegmentShape& s) { return round_up(blocks_offset + size_t(s.world) * block_bytes(s.slots), 4096); }
 
 Status os_error(const std::string& what) { return Status(Errc::io_error, what + ": " + std::strerror(errno)); }
@@ -69,6 +76,21 @@ long futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* 
 }
 
 SegmentHeader& header_of(uint8_t* base) { return *reinterpret_cast<SegmentHeader*>(base); }
+
+// Whether this process may write into process `pid`'s memory: the token
+// read at `address` there must be the one the hello named (so `pid` is the
+// segment's owner, not whoever has that number in this PID namespace), and
+// writing the same value back must succeed (a seccomp profile may allow
+// one direction only). Nothing is written to a process that fails the read.
+bool probe_direct_write(int pid, uint64_t address, uint64_t token) {
+  if (pid <= 0) return false;
+  uint64_t seen = 0;
+  iovec local{&seen, sizeof seen};
+  iovec remote{reinterpret_cast<void*>(address), sizeof seen};
+  if (::process_vm_readv(pid, &local, 1, &remote, 1, 0) != ssize_t(sizeof seen) || seen != token) return false;
+  local.iov_base = &token;
+  return ::process_vm_writev(pid, &local, 1, &remote, 1, 0) == ssize_t(sizeof token);
+}
 
 // Segments whose owner died before it removed the name (killed during the
 // rendezvous, where the name must exist): this user's, with the liveness
@@ -143,6 +165,9 @@ Result<std::unique_ptr<SharedSegment>> SharedSegment::create(const SegmentShape&
   h.slots = shape.slots;
   h.chunk_bytes = shape.chunk_bytes;
   h.total_bytes = s->mapped_bytes_;
+  h.owner_pid = int32_t(::getpid());
+  h.probe_address = reinterpret_cast<uint64_t>(&h.token);
+  s->owner_pid_ = h.owner_pid;
   std::atomic_thread_fence(std::memory_order_release);
   h.magic = segment_magic;
   return s;
@@ -170,6 +195,8 @@ Result<std::unique_ptr<SharedSegment>> SharedSegment::open(const std::string& na
   if (h.magic != segment_magic || h.token != token || h.world != shape.world || h.slots != shape.slots || h.chunk_bytes != shape.chunk_bytes ||
       h.total_bytes != s->mapped_bytes_)
     return Status(Errc::invalid_argument, "shared memory: " + name + "'s header does not match the peer's hello");
+  s->owner_pid_ = h.owner_pid;
+  s->direct_writable_ = probe_direct_write(h.owner_pid, h.probe_address, token);
   return s;
 }
 
@@ -187,8 +214,9 @@ void SharedSegment::unlink() {
 uint8_t* SharedSegment::block(int sender) const { return base_ + blocks_offset + size_t(sender) * block_bytes_; }
 RingSenderLine& SharedSegment::sender_line(int sender) const { return *reinterpret_cast<RingSenderLine*>(block(sender)); }
 RingReceiverLine& SharedSegment::receiver_line(int sender) const { return *reinterpret_cast<RingReceiverLine*>(block(sender) + 64); }
+RingAdvertLines& SharedSegment::advert_lines(int sender) const { return *reinterpret_cast<RingAdvertLines*>(block(sender) + 128); }
 std::atomic<uint64_t>& SharedSegment::meta(int sender, uint64_t message) const {
-  return reinterpret_cast<std::atomic<uint64_t>*>(block(sender) + 128)[message % shape_.slots];
+  return reinterpret_cast<std::atomic<uint64_t>*>(block(sender) + meta_offset)[message % shape_.slots];
 }
 
 uint32_t SharedSegment::doorbell() const { return header_of(base_).doorbell.load(std::memory_order_seq_cst); }
@@ -212,6 +240,19 @@ bool SharedSegment::owner_alive() const {
   flock probe = first_byte(F_WRLCK);
   if (::fcntl(fd_, F_OFD_GETLK, &probe) != 0) return true;  // cannot tell: the timeout decides
   return probe.l_type != F_UNLCK;
+}
+
+Status SharedSegment::write_into_owner(uint64_t address, const void* source, size_t bytes) const {
+  if (!direct_writable_) return Status(Errc::wrong_state, "shared memory: this process may not write into the owner's memory");
+  // One call moves it all unless a page of the range is not the owner's
+  // (or the owner is gone); a short count is that case too.
+  iovec local{const_cast<void*>(source), bytes};
+  iovec remote{reinterpret_cast<void*>(address), bytes};
+  const ssize_t n = ::process_vm_writev(owner_pid_, &local, 1, &remote, 1, 0);
+  if (n == ssize_t(bytes)) return {};
+  if (n >= 0 || errno == EFAULT)
+    return Status(Errc::invalid_argument, "shared memory: the " + std::to_string(bytes) + " bytes the peer advertised for its output are not its writable memory");
+  return os_error("shared memory: process_vm_writev into rank's process " + std::to_string(owner_pid_));
 }
 
 }  // namespace stellar::coll::detail

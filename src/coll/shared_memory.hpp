@@ -11,9 +11,24 @@
 //
 //   receiver's segment, block for sender s (one cache line each):
 //     posted    written by s: messages written so far (release)
-//     flags     written by s: bye / abort
+//     flags     written by s: bye / abort / direct (it can write into the
+//               receiver's own memory, below)
 //     consumed  written by the receiver: messages it has consumed = credits
+//     adverts   written by the receiver: where its output is, for s's
+//               direct gather writes (two lines)
 //     meta[k]   written by s before `posted`: immediate and length of slot k
+//
+// Single copy (as Open MPI's vader and UCX's cma do): a message can also go
+// straight from the sender's buffer into the receiver's own memory with
+// process_vm_writev(2), one copy by the kernel instead of one into the slot
+// and one out of it; the slot then carries only the message's name and
+// length, and its credit. The kernel allows it where the sender may ptrace
+// the receiver (same user; not where Yama's ptrace_scope, a seccomp profile
+// such as Docker's default, or a non-dumpable receiver forbid it), so
+// open() probes it: it reads the owner's token at the address the header
+// gives, through the pid the header gives, and writes the same value back.
+// A pid that names another process (another PID namespace) fails the read's
+// comparison before anything is written. The pairs that fail keep to slots.
 //
 // Each side rings the other's doorbell (a futex word in the segment's
 // header) after publishing, and a waiting rank sleeps on its own doorbell:
@@ -56,8 +71,21 @@ struct alignas(64) RingSenderLine {
 struct alignas(64) RingReceiverLine {
   std::atomic<uint64_t> consumed;
 };
+// Where the receiver's output is for one call (direct gather): its address
+// in the receiver's process, its length in bytes, and the call's tag.
+struct alignas(64) RingAdvertLines {
+  static constexpr uint32_t entries = 4;  // the sender is at most two calls behind (see communicator.cpp)
+  std::atomic<uint64_t> posted;           // adverts written so far (release)
+  std::atomic<uint64_t> address[entries];
+  std::atomic<uint64_t> bytes[entries];
+  std::atomic<uint32_t> tag[entries];
+};
 inline constexpr uint32_t ring_flag_bye = 1;
 inline constexpr uint32_t ring_flag_abort = 2;
+inline constexpr uint32_t ring_flag_direct = 4;  // the sender passed open()'s probe: it may write into the receiver's memory
+// A message's meta word: imm << 32 | length, with this bit of the length set
+// when the sender wrote its bytes into the receiver's memory, not the slot.
+inline constexpr uint32_t ring_meta_direct = 0x80000000u;
 
 class SharedSegment {
  public:
@@ -68,7 +96,9 @@ class SharedSegment {
   // Maps a peer's segment. Fails (and the pair uses its QPs) when the name
   // is not a Stellar segment name, the file is missing (another /dev/shm:
   // another container), not a regular file of the expected size, or its
-  // header disagrees with the shape or the token the peer published.
+  // header disagrees with the shape or the token the peer published. Then
+  // probes whether this process may write into the owner's memory
+  // (direct_writable()).
   static Result<std::unique_ptr<SharedSegment>> open(const std::string& name, uint64_t token, const SegmentShape&);
   ~SharedSegment();
   SharedSegment(const SharedSegment&) = delete;
@@ -90,6 +120,7 @@ class SharedSegment {
 
   RingSenderLine& sender_line(int sender) const;
   RingReceiverLine& receiver_line(int sender) const;
+  RingAdvertLines& advert_lines(int sender) const;
   std::atomic<uint64_t>& meta(int sender, uint64_t message) const;  // imm << 32 | length of slot message % slots
 
   // The owner's doorbell: its value now, a ring by a peer, and the owner's
@@ -101,6 +132,15 @@ class SharedSegment {
   // Whether the owner still holds its liveness lock (alive and its
   // communicator not destroyed). Meant for a peer's mapping; a system call.
   bool owner_alive() const;
+
+  // Whether open()'s probe found that this process may write into the
+  // owner's memory; false for the owner's own mapping.
+  bool direct_writable() const { return direct_writable_; }
+  // Copies `bytes` from `source` (this process) to `address` in the owner's
+  // process, the whole of it or an error: io_error when the kernel refuses
+  // or the owner is gone, invalid_argument when the range is not the
+  // owner's writable memory. Only where direct_writable().
+  Status write_into_owner(uint64_t address, const void* source, size_t bytes) const;
 
  private:
   SharedSegment() = default;
@@ -116,6 +156,8 @@ class SharedSegment {
   size_t block_bytes_ = 0;
   bool owner_ = false;
   bool linked_ = false;
+  bool direct_writable_ = false;
+  int owner_pid_ = 0;  // from the header: the owner's process id as it wrote it
 };
 
 // The shape of a valid segment name (what open() accepts from a hello).

@@ -423,14 +423,14 @@ TEST(Collectives, DirectGatherWritesIntoTheOutputWherePairsAllowIt) {
     o.qps_per_peer = 3;
   };
   expect_all_zero(run_ranks(3, [](Communicator& c, int) { return gather_directly(c, true); }, striped));
-  // Ranks 0 and 1 share memory, rank 2 stays on the network: only the
-  // network pairs (1,2) and (2,0) write in place, so ranks 2 and 0 receive
-  // in place and rank 1 (whose previous rank, 0, is on shared memory) not.
+  // Ranks 0 and 1 share memory, rank 2 stays on the network: the network
+  // pairs (1,2) and (2,0) write in place with RDMA WRITEs, the pair (0,1)
+  // with process_vm_writev, so every rank receives in place.
   auto mixed = [](CommunicatorOptions& o) {
     small_chunks(o);
     o.shared_memory = o.rank != 2;
   };
-  expect_all_zero(run_ranks(3, [](Communicator& c, int rank) { return gather_directly(c, rank != 1); }, mixed));
+  expect_all_zero(run_ranks(3, [](Communicator& c, int) { return gather_directly(c, true); }, mixed));
 }
 
 TEST(Collectives, ForcedAlgorithmsAgreeOnNonPowerOfTwoRanks) {
@@ -965,6 +965,47 @@ TEST(SharedMemory, JobsMixingSharedMemoryAndNetworkPairsWork) {
   }, mixed));
 }
 
+// Direct gather between ranks on shared memory: one copy by the kernel
+// (process_vm_writev) into the next rank's output. The forked ranks may
+// write into each other (same user), so every pair passes the probe.
+TEST(SharedMemory, DirectGatherWritesIntoTheNextRanksProcess) {
+  auto shared_small = [](CommunicatorOptions& o) {
+    small_chunks(o);
+    shared_memory(o);
+  };
+  auto single_copy_everywhere = [](Communicator& c, int) {
+    if (c.counters().shared_memory_single_copy_peers != c.size() - 1) {
+      std::fprintf(stderr, "rank %d: %d single-copy peers of %d\n", c.rank(), c.counters().shared_memory_single_copy_peers, c.size() - 1);
+      return 9;
+    }
+    return gather_directly(c, true);
+  };
+  expect_all_zero(run_ranks(2, single_copy_everywhere, shared_small));
+  expect_all_zero(run_ranks(4, single_copy_everywhere, shared_small));
+  // Every operation, every type, in and out of place, with default chunks too.
+  expect_all_zero(run_ranks(3, [](Communicator& c, int) { return all_peers_shared_then(c, {1001, 12347, 100003}, true); }, shared_small));
+  expect_all_zero(run_ranks(2, [](Communicator& c, int) { return all_peers_shared_then(c, {(3u << 20) + 7}, false); }, shared_memory));
+  // Rank 1 refuses direct gather: the pairs (0,1) and (1,2) keep to their
+  // slots, so only rank 0 (written into by rank 2) receives in place.
+  auto rank1_refuses = [](CommunicatorOptions& o) {
+    small_chunks(o);
+    shared_memory(o);
+    if (o.rank == 1) o.direct_gather = false;
+  };
+  expect_all_zero(run_ranks(3, [](Communicator& c, int rank) { return gather_directly(c, rank == 0); }, rank1_refuses));
+  // Above the single-copy segment size (8 MiB a rank) the slots carry it.
+  expect_all_zero(run_ranks(2, [](Communicator& c, int) {
+    const size_t count = (9u << 20) / 4 * 2;  // 9 MiB a rank's segment
+    std::vector<int32_t> data(count);
+    for (size_t i = 0; i < count; ++i) data[i] = int32_t(i % 977) + c.rank();
+    const uint64_t before = c.counters().bytes_gathered_in_place;
+    if (!c.allreduce(data.data(), data.data(), count, DataType::int32, ReduceOp::sum).ok()) return 1;
+    for (size_t i = 0; i < count; ++i)
+      if (data[i] != 2 * int32_t(i % 977) + 1) return 2;
+    return c.counters().bytes_gathered_in_place == before ? 0 : 3;
+  }, shared_memory));
+}
+
 // kill -9 of a rank on the same host: its liveness lock goes with it, so
 // the others fail with io_error long before their (long) timeout.
 TEST(SharedMemory, AKilledRankIsAnErrorOnTheOthersAtOnce) {
@@ -1072,6 +1113,55 @@ TEST(SharedMemory, SegmentsOpenOnlyWithTheirTokenAndShapeAndTellLiveness) {
   own->reset();
   EXPECT_FALSE((*peer)->owner_alive());
   EXPECT_FALSE(std::filesystem::exists("/dev/shm" + name)) << "the owner removes its name";
+}
+
+// The single-copy probe: a peer in another process may write into the
+// owner's memory (same user), within what the owner mapped; a segment whose
+// owner is gone (its name left behind) does not pass it.
+TEST(SharedMemory, TheSingleCopyProbeAndWritesIntoTheOwner) {
+  const detail::SegmentShape shape{2, 4, 8192};
+  int to_parent[2], to_child[2];
+  ASSERT_EQ(::pipe(to_parent), 0);
+  ASSERT_EQ(::pipe(to_child), 0);
+  static char target[64];  // the owner's buffer the peer writes into (the same address in the forked child)
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    std::memset(target, 0, sizeof target);
+    auto own = detail::SharedSegment::create(shape, "probe");
+    if (!own) _exit(10);
+    char line[128] = {};
+    std::snprintf(line, sizeof line, "%s %016llx", (*own)->name().c_str(), (unsigned long long)(*own)->token());
+    if (::write(to_parent[1], line, sizeof line) != ssize_t(sizeof line)) _exit(11);
+    char go = 0;
+    if (::read(to_child[0], &go, 1) != 1) _exit(12);
+    // Leave the name behind (as a killed rank would): no destructor.
+    _exit(std::strcmp(target, "written by the peer") == 0 ? 0 : 13);
+  }
+  char line[128] = {};
+  ASSERT_EQ(::read(to_parent[0], line, sizeof line), ssize_t(sizeof line));
+  char name[100] = {};
+  unsigned long long token = 0;
+  ASSERT_EQ(std::sscanf(line, "%99s %llx", name, &token), 2);
+  {
+    auto peer = detail::SharedSegment::open(name, token, shape);
+    ASSERT_TRUE(peer) << peer.status().to_string();
+    EXPECT_TRUE((*peer)->direct_writable());
+    const char text[] = "written by the peer";
+    EXPECT_TRUE((*peer)->write_into_owner(reinterpret_cast<uint64_t>(target), text, sizeof text).ok());
+    auto outside = (*peer)->write_into_owner(16, text, sizeof text);  // not the owner's memory
+    EXPECT_EQ(outside.code(), Errc::invalid_argument) << outside.to_string();
+  }
+  ASSERT_EQ(::write(to_child[1], "g", 1), 1);
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "the owner did not see the write: " << status;
+  auto orphan = detail::SharedSegment::open(name, token, shape);  // its owner is gone: the pid names nobody
+  ASSERT_TRUE(orphan) << orphan.status().to_string();
+  EXPECT_FALSE((*orphan)->direct_writable());
+  EXPECT_EQ((*orphan)->write_into_owner(reinterpret_cast<uint64_t>(target), "x", 1).code(), Errc::wrong_state);
+  ::shm_unlink(name);
+  for (int fd : {to_parent[0], to_parent[1], to_child[0], to_child[1]}) ::close(fd);
 }
 
 // A segment left by a rank killed during the rendezvous (the name still
