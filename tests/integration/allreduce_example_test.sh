@@ -27,7 +27,11 @@ echo "--- shared memory between the forked ranks by default, the network with --
 segments_before=$(ls /dev/shm | grep '^stellar-coll-' || true)
 "$bin" -N 3 -b 1M -e 1M -n 2 -w 1 > "$work/shm"
 check_table "$work/shm" 1
-grep -q '^# transport: .*shared memory 2 of 2 peers' "$work/shm" || { echo "shared memory not reported"; cat "$work/shm"; exit 1; }
+grep -q '^# transport: .*shared memory 2 of 2 peers (rank 0; 2 single-copy)' "$work/shm" || { echo "shared memory not reported"; cat "$work/shm"; exit 1; }
+# Direct gather off: the pairs keep to their slots (no single copy), same results.
+"$bin" -N 3 -b 1M -e 1M -n 2 -w 1 -c 1 --no-direct > "$work/shm-slots"
+check_table "$work/shm-slots" 1
+grep -q '^# transport: .*shared memory 2 of 2 peers (rank 0; 0 single-copy)' "$work/shm-slots" || { echo "--no-direct still single copy"; cat "$work/shm-slots"; exit 1; }
 "$bin" -N 3 -b 1M -e 1M -n 2 -w 1 --no-shm > "$work/noshm"
 check_table "$work/noshm" 1
 grep -q '^# transport: .*shared memory off (--no-shm)' "$work/noshm" || { echo "--no-shm not reported"; cat "$work/noshm"; exit 1; }
