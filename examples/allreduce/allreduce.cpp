@@ -320,7 +320,7 @@ int main(int argc, char** argv) {
   app.add_option("-N,--local-ranks", o.local_ranks, "fork this many ranks on this host (without a launcher's environment)");
   app.add_option("--mode", o.mode, "soft provider wire protocol: stellar or roce");
   app.add_option("--provider", o.provider, "soft or verbs");
-  app.add_option("--algorithm", o.algorithm, "auto, ring or rd (recursive doubling)");
+  app.add_option("--algorithm", o.algorithm, "auto, ring, rd (recursive doubling) or hd (recursive halving and doubling)");
   app.add_option("--cc", o.cc, "congestion control of the soft provider: auto, none, dcqcn or swift");
   app.add_option("--line_rate_mbps", o.line_rate_mbps,
                  "the rate congestion control starts from and never exceeds (Mbit/s; default: the context's, 100 Gbit/s): a NIC's line rate")
@@ -384,7 +384,8 @@ int main(int argc, char** argv) {
   }
   if (o.algorithm == "ring") base.allreduce_algorithm = AllreduceAlgorithm::ring;
   else if (o.algorithm == "rd") base.allreduce_algorithm = AllreduceAlgorithm::recursive_doubling;
-  else if (o.algorithm != "auto") die("--algorithm", Status(Errc::invalid_argument, "auto, ring or rd"));
+  else if (o.algorithm == "hd") base.allreduce_algorithm = AllreduceAlgorithm::halving_doubling;
+  else if (o.algorithm != "auto") die("--algorithm", Status(Errc::invalid_argument, "auto, ring, rd or hd"));
 
   if (o.local_ranks <= 0) {  // launched by mpirun or a torchrun-style environment
     auto co = CommunicatorOptions::from_environment(base);

@@ -53,9 +53,13 @@ Result<DataType> parse_data_type(const std::string&);
 Result<ReduceOp> parse_reduce_op(const std::string&);
 
 enum class AllreduceAlgorithm {
-  automatic,           // recursive doubling up to small_message_bytes, ring above
+  automatic,           // recursive doubling up to small_message_bytes; above, halving_doubling up to 512 KiB on 4, 8, 16... ranks; the ring
   ring,                // reduce-scatter then allgather around a ring, chunked and pipelined
   recursive_doubling,  // log2(N) exchanges of the whole vector (latency-optimised)
+  // Rabenseifner's: reduce-scatter by recursive halving, allgather by
+  // recursive doubling (2 log2(N) exchanges, the ring's bytes); ranks past the
+  // largest power of two fold into a partner first, as in recursive doubling.
+  halving_doubling,
 };
 
 struct CommunicatorOptions {

@@ -35,7 +35,7 @@ Result<int> check_hello(const json& h, int world, const json& reference) {
   const int r = int(*rank);
   auto version = control::read_unsigned(h, "version", 0, UINT32_MAX);
   if (!version) return malformed(r, version.status().message());
-  if (*version != 3) return Status(Errc::protocol_error, "rank " + std::to_string(r) + " speaks rendezvous version " + std::to_string(*version) + ", not 3");
+  if (*version != 4) return Status(Errc::protocol_error, "rank " + std::to_string(r) + " speaks rendezvous version " + std::to_string(*version) + ", not 4 (another Stellar release?)");
   // Which machine it runs on (a hash of its kernel's boot id) and the CPUs it
   // may use (hex mask): ranks count who shares their CPUs.
   if (auto host = control::read_string(h, "host", 64); !host) return malformed(r, host.status().message());

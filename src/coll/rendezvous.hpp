@@ -1,6 +1,6 @@
 // The collectives' rendezvous messages, checked (no I/O; the fuzz target
 // drives these directly). Rank 0 serves a TCP rendezvous at MASTER_ADDR:
-//   rank r -> rank 0   {"type":"hello", "version":3, "rank":r, "host", "cpus", "world_size", job
+//   rank r -> rank 0   {"type":"hello", "version":4, "rank":r, "host", "cpus", "world_size", job
 //                       parameters..., "endpoints":[per rank: null for r itself,
 //                       else qps_per_peer endpoints], "landing":[per rank: null
 //                       or {"addr":u64}], "landing_rkey":u32,

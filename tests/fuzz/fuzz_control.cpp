@@ -37,7 +37,7 @@ json hello(int rank, int world) {
     endpoints.push_back(qps);
     landing.push_back(json{{"addr", 0x10000 + peer}});
   }
-  return json{{"type", "hello"}, {"version", 3}, {"rank", rank}, {"host", "boot-id"}, {"cpus", "3"}, {"world_size", world}, {"mode", "stellar"}, {"slots", 8},
+  return json{{"type", "hello"}, {"version", 4}, {"rank", rank}, {"host", "boot-id"}, {"cpus", "3"}, {"world_size", world}, {"mode", "stellar"}, {"slots", 8},
               {"chunk_bytes", 1 << 20}, {"allreduce_algorithm", 0}, {"small_message_bytes", 65536}, {"qps_per_peer", 2},
               {"endpoints", endpoints}, {"landing", landing}, {"landing_rkey", 77}};
 }

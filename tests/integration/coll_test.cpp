@@ -443,6 +443,35 @@ TEST(Collectives, ForcedAlgorithmsAgreeOnNonPowerOfTwoRanks) {
   }
 }
 
+// Recursive halving and doubling: powers of two and not (ranks past the
+// largest power of two fold in and out), every reduction and type, counts
+// that split unevenly down to empty halves, over the network under injected
+// faults and over shared memory.
+TEST(Collectives, HalvingDoublingOnEveryRankCount) {
+  auto forced = [](CommunicatorOptions& o) {
+    small_chunks(o);
+    o.allreduce_algorithm = AllreduceAlgorithm::halving_doubling;
+  };
+  expect_all_zero(run_ranks(2, [](Communicator& c, int) { return exercise_all(c, {1, 3, 999, 20001}, true); }, forced));
+  expect_all_zero(run_ranks(4, [](Communicator& c, int) { return exercise_all(c, {1, 2, 3, 5, 999, 20001}, true); }, forced));
+  expect_all_zero(run_ranks(3, [](Communicator& c, int) { return exercise_all(c, {1, 7, 20001}, false); }, forced));
+  expect_all_zero(run_ranks(5, [](Communicator& c, int) { return exercise_all(c, {3, 4099}, false); }, forced));
+  auto lossy = [&forced](CommunicatorOptions& o) {
+    forced(o);
+    o.context.faults = FaultOptions{0.02, 0.01, 0.02, 0};
+  };
+  expect_all_zero(run_ranks(4, [](Communicator& c, int) { return exercise_all(c, {1001, 40000}, false); }, lossy));
+  auto shared = [&forced](CommunicatorOptions& o) {
+    forced(o);
+    o.shared_memory = true;
+  };
+  expect_all_zero(run_ranks(4, [](Communicator& c, int) { return exercise_all(c, {0, 1, 12347}, true); }, shared));
+  // Automatic picks it on 4 ranks up to 512 KiB: the same results.
+  expect_all_zero(run_ranks(4, [](Communicator& c, int) { return exercise_all(c, {(256u << 10) / 4 + 1}, false); }, [](CommunicatorOptions& o) {
+    o.chunk_bytes = 64 * 1024;
+  }));
+}
+
 // Oversubscription (issue 16): each rank's affinity mask is narrowed to one
 // CPU, so 3 ranks on this host are more than the CPUs each may use: the
 // communicator waits adaptively instead of spinning, says so in its
@@ -494,7 +523,7 @@ static control::json valid_hello() {
   e.udp_port = 40000;
   e.qp_num = 7;
   e.token = 1;
-  return control::json::parse(control::json{{"type", "hello"}, {"version", 3}, {"rank", 1}, {"host", "0123456789abcdef"}, {"cpus", "3"},
+  return control::json::parse(control::json{{"type", "hello"}, {"version", 4}, {"rank", 1}, {"host", "0123456789abcdef"}, {"cpus", "3"},
                                             {"world_size", 2}, {"mode", "stellar"}, {"slots", 4}, {"chunk_bytes", 524288},
                                             {"allreduce_algorithm", 0}, {"small_message_bytes", 65536}, {"qps_per_peer", 1},
                                             {"endpoints", {control::json::array({control::endpoint_json(e)}), nullptr}},

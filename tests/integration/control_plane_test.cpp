@@ -357,7 +357,7 @@ TEST(Rendezvous, MalformedHellosAndIdleSocketsDoNotStopTheJob) {
   std::vector<std::string> replies;
   const auto codes = job_under_attack(3, 20s, [&](uint16_t port) {
     for (int i = 0; i < 16; ++i) idle.push_back(tcp_connect(port));
-    replies.push_back(exchange(port, R"({"type":"hello","version":3,"rank":1,"host":"h","world_size":3,"endpoints":{}})" "\n"));
+    replies.push_back(exchange(port, R"({"type":"hello","version":4,"rank":1,"host":"h","world_size":3,"endpoints":{}})" "\n"));
     replies.push_back(exchange(port, R"({"type":"hello","rank":"one"})" "\n"));
     replies.push_back(exchange(port, R"({"type":"hello","rank":7})" "\n"));
     const std::string oversized(size_t(2) << 20, '{');
