@@ -165,6 +165,8 @@ struct CommunicatorCounters {
   // Gather-step bytes the previous rank wrote straight into this rank's
   // output (CommunicatorOptions::direct_gather), not copied out of a slot.
   uint64_t bytes_gathered_in_place = 0;
+  // Allreduce calls by the algorithm that ran (AllreduceAlgorithm).
+  uint64_t allreduce_ring = 0, allreduce_recursive_doubling = 0, allreduce_halving_doubling = 0;
 };
 
 class Communicator {

@@ -231,6 +231,7 @@ const char* to_string(CallKind k) {
 struct Arrival {
   uint32_t imm;
   uint32_t length;
+  bool placed = false;  // shared memory: the sender wrote it into our output (single copy), not the slot
 };
 
 // One peer's channel: qps_per_peer RC QPs (NCCL's QPs per connection). A
@@ -526,13 +527,15 @@ class Comm final : public Communicator {
   // gather) instead of into the peer's next landing slot, which it still
   // takes as a credit.
   Status send(Peer& p, const uint8_t* source, uint32_t lkey, size_t bytes, uint64_t* sequence, uint64_t remote = 0, uint32_t rkey = 0);
-  Result<const uint8_t*> receive(Peer& p, size_t bytes);  // waits for the next message, checks it
+  // Waits for the next message and checks it; `placed`: a gather message a
+  // peer on shared memory must have written into our output (single copy).
+  Result<const uint8_t*> receive(Peer& p, size_t bytes, bool placed = false);
   Status release(Peer& p);                                // frees its slot: credit to the sender
   // The same with the message's name (call tag, index) given: what
   // point-to-point transfers use, outside any call.
   Status transmit(Peer& p, const uint8_t* source, uint32_t lkey, size_t bytes, uint64_t* sequence, uint16_t tag, uint32_t index,
                   uint64_t remote = 0, uint32_t rkey = 0);
-  Result<const uint8_t*> arrive(Peer& p, size_t bytes, uint16_t tag, uint32_t index, bool point_to_point);
+  Result<const uint8_t*> arrive(Peer& p, size_t bytes, uint16_t tag, uint32_t index, bool point_to_point, bool placed = false);
   Status release_slot(Peer& p);
   // Point to point: moves what can move without waiting; *moved says whether
   // anything did. drain_transfers() waits for every outstanding one.
@@ -551,6 +554,7 @@ class Comm final : public Communicator {
   Status post_advert(Peer& p, uint64_t work, uint32_t rkey, uint64_t bytes);
   Result<Peer::Advert> take_advert(Peer& next);
   Status fail(Status s);
+  void await_writer_stopped(const Peer& writer);
   void say_goodbye();
 
   // ---- algorithms ----
@@ -616,6 +620,10 @@ class Comm final : public Communicator {
   std::vector<std::unique_ptr<detail::SharedSegment>> peer_segments_;
   std::vector<int> shm_opened_;
   int shm_peers_ = 0, network_peers_ = 0;
+  // The peer on shared memory that may still write into the current call's
+  // output (single copy), from our advert to its last gather message.
+  const Peer* advert_open_ = nullptr;
+  uint64_t advert_open_until_ = 0;  // its messages published (`posted`) once it has written all of this call's
   uint64_t idle_polls_ = 0;  // pump() calls without progress in a row
   Clock::time_point idle_since_{}, liveness_checked_{};
   AlignedBuffer scratch_;
@@ -970,7 +978,9 @@ void Comm::open_peer_segments(const std::vector<json>& table) {
     const auto shm = theirs.find("shm");
     if (theirs.at("host") != host || shm == theirs.end() || shm->is_null()) continue;
     const uint64_t token = std::strtoull(shm->at("token").get<std::string>().c_str(), nullptr, 16);
-    auto segment = detail::SharedSegment::open(shm->at("name").get<std::string>(), token, shape);
+    // The single-copy probe only where direct gather is allowed: a rank that
+    // turned it off makes no process_vm_* call at all.
+    auto segment = detail::SharedSegment::open(shm->at("name").get<std::string>(), token, shape, p.direct);
     if (!segment) {  // another /dev/shm (container), another user, a full tmpfs: the network it is
       log().info("coll: rank {}: rank {} is on this host but its shared memory cannot be mapped ({}); using the network", rank_, p.rank,
                  segment.status().to_string());
@@ -1078,8 +1088,40 @@ Status Comm::fail(Status s) {
     log().warn("coll: rank {}: {}", rank_, s.to_string());
     for (Peer& p : peers_)  // best effort: tell the others to stop waiting for us
       if (p.rank >= 0 && (p.shm || (!p.qps.empty() && p.qps[0]->state() == QpState::rts))) (void)post_control(p, abort_imm);
+    if (advert_open_) await_writer_stopped(*advert_open_);
   }
   return s;
+}
+
+// The previous rank on shared memory may still be writing gather chunks
+// into this call's output with process_vm_writev, and the caller may free
+// the output once this call returns: wait until that rank has seen our
+// abort (its own abort flag arrives: it writes nothing after setting it),
+// published this call's last message (it writes before it publishes), said
+// goodbye, or exited, bounded by the timeout. (On the network the
+// output's registration ends with the call, which refuses late writes.)
+void Comm::await_writer_stopped(const Peer& writer) {
+  advert_open_ = nullptr;
+  const auto deadline = Clock::now() + options_.timeout;
+  auto checked = Clock::now();
+  for (;;) {
+    const uint32_t bell = own_segment_->doorbell();
+    const detail::RingSenderLine& line = own_segment_->sender_line(writer.rank);
+    const uint32_t flags = line.flags.load(std::memory_order_acquire);
+    if (flags & (detail::ring_flag_abort | detail::ring_flag_bye)) return;
+    if (line.posted.load(std::memory_order_acquire) >= advert_open_until_) return;  // it wrote all this call's chunks
+    const auto now = Clock::now();
+    if (now >= deadline) {
+      log().warn("coll: rank {}: rank {} did not acknowledge the abort within {} ms; it may still write into the failed call's output", rank_,
+                 writer.rank, options_.timeout.count());
+      return;
+    }
+    if (now - checked > std::chrono::milliseconds(20)) {
+      checked = now;
+      if (!writer.shm->owner_alive()) return;
+    }
+    own_segment_->sleep_on_doorbell(bell, std::chrono::microseconds(1000));
+  }
 }
 
 uint64_t Comm::number_send(Peer& p, uint32_t parts) {
@@ -1223,7 +1265,7 @@ Result<bool> Comm::poll_shared() {
         // ring placed it by our advert, and takes it where it is).
         if ((length & detail::ring_meta_direct) && !p.shm_direct_in)
           return fail(Status(Errc::protocol_error, "rank " + std::to_string(p.rank) + " says it wrote into this rank's memory, which it was not given"));
-        p.arrivals[0].push_back({uint32_t(meta >> 32), length & ~detail::ring_meta_direct});
+        p.arrivals[0].push_back({uint32_t(meta >> 32), length & ~detail::ring_meta_direct, (length & detail::ring_meta_direct) != 0});
       }
       changed = true;
     }
@@ -1360,6 +1402,10 @@ Status Comm::transmit(Peer& p, const uint8_t* source, uint32_t lkey, size_t byte
     uint64_t length = bytes;
     if (remote) {  // direct gather: one copy, by the kernel, into the peer's output; the slot carries only the name
       if (!p.shm_direct_out) return fail(Status(Errc::wrong_state, "communicator: a direct write to a peer on shared memory that does not allow it"));
+      // A receiver that aborted may be about to hand its output back to its
+      // caller: never write after seeing that (it waits for our own abort).
+      if (own_segment_->sender_line(p.rank).flags.load(std::memory_order_acquire) & detail::ring_flag_abort)
+        return fail(Status(Errc::io_error, std::string(call_name_) + ": rank " + std::to_string(p.rank) + " aborted the communicator (see its error)"));
       if (Status s = p.shm->write_into_owner(remote, source, bytes); !s.ok())
         return fail(Status(s.code(), std::string(call_name_) + ": rank " + std::to_string(p.rank) + ": " + s.message()));
       length |= detail::ring_meta_direct;
@@ -1396,9 +1442,9 @@ Status Comm::transmit(Peer& p, const uint8_t* source, uint32_t lkey, size_t byte
   return {};
 }
 
-Result<const uint8_t*> Comm::receive(Peer& p, size_t bytes) { return arrive(p, bytes, call_tag_, p.call_received, false); }
+Result<const uint8_t*> Comm::receive(Peer& p, size_t bytes, bool placed) { return arrive(p, bytes, call_tag_, p.call_received, false, placed); }
 
-Result<const uint8_t*> Comm::arrive(Peer& p, size_t bytes, uint16_t tag, uint32_t index, bool point_to_point) {
+Result<const uint8_t*> Comm::arrive(Peer& p, size_t bytes, uint16_t tag, uint32_t index, bool point_to_point, bool placed) {
   size_t part = 0;
   const uint32_t parts = stripe(p, bytes, &part);
   auto mismatch = [&] {
@@ -1415,7 +1461,9 @@ Result<const uint8_t*> Comm::arrive(Peer& p, size_t bytes, uint16_t tag, uint32_
   // count); part j arrives on QP j. Part 0 is checked before waiting for more.
   auto matches = [&](uint32_t j) {
     const Arrival& a = p.arrivals[j].front();
-    return a.imm == data_imm(tag, parts, index) && a.length == std::min(part, bytes - size_t(j) * part);
+    // On shared memory the sender says where it put the bytes: a placed
+    // message where a slot was expected (or the reverse) would take stale bytes.
+    return a.imm == data_imm(tag, parts, index) && a.length == std::min(part, bytes - size_t(j) * part) && (!p.shm || a.placed == placed);
   };
   for (uint32_t j = 0; j < parts; ++j) {
     while (p.arrivals[j].empty()) {
@@ -1656,6 +1704,15 @@ Status Comm::ring(const RingPlan& plan) {
   auto received_segment = [&](int step) { return ((rank_ - step - 2) % n + 2 * n) % n; };
   size_t max_chunks = 0;
   for (int s = 0; s < n; ++s) max_chunks = std::max(max_chunks, chunks(s));
+  if (into_us && prev.shm) {
+    // Until prev has published its last message of this call it may write
+    // into `work` with process_vm_writev: a failure meanwhile waits for it
+    // (fail()). Its messages of this call are the next ones it publishes.
+    uint64_t expected = 0;
+    for (int s = plan.first_step; s <= plan.last_step; ++s) expected += chunks(received_segment(s));
+    advert_open_ = &prev;
+    advert_open_until_ = prev.data_consumed + expected;
+  }
   // Send sequence of the last message read from each chunk of `work`: the
   // chunk may be overwritten only once that message is acknowledged.
   std::vector<uint64_t> read_by(size_t(n) * max_chunks, 0);
@@ -1703,11 +1760,11 @@ Status Comm::ring(const RingPlan& plan) {
     if (step <= plan.last_step && prev.has_arrival()) {
       const int segment = received_segment(step);
       const size_t bytes = chunk_bytes(segment, k);
-      auto incoming = receive(prev, bytes);
+      const bool reducing = step <= n - 2;
+      auto incoming = receive(prev, bytes, into_us && !reducing && prev.shm);
       if (!incoming) return incoming.status();
       const size_t element_offset = plan.offset[size_t(segment)] + k * chunk_elements;
       const size_t id = size_t(segment) * max_chunks + k;
-      const bool reducing = step <= n - 2;
       uint8_t* destination = plan.work + element_offset * element_;
       if (reducing && step == n - 2 && plan.own_result) destination = plan.own_result + k * chunk_elements * element_;
       // (Also with direct gather, where prev has written it already: by then
@@ -1728,6 +1785,7 @@ Status Comm::ring(const RingPlan& plan) {
         k = 0;
         ++step;
         skip_empty();
+        if (step > plan.last_step) advert_open_ = nullptr;  // prev has written all it will into our output
       }
       continue;
     }
@@ -1737,6 +1795,7 @@ Status Comm::ring(const RingPlan& plan) {
   // Every segment empty for us to send: next's message is still to be taken.
   if (!have_next_work)
     if (Status s = take_next_work(); !s.ok()) return s;
+  advert_open_ = nullptr;  // (also when every segment prev writes was empty)
   return {};
 }
 
@@ -1953,6 +2012,7 @@ Status Comm::allreduce(const void* send, void* recv, size_t count, DataType type
   const bool ring_gathers_into_us = !small && !halving && gathers_into_us();
   auto recv_mr = register_range(recv, bytes, ring_gathers_into_us);
   if (!recv_mr) return fail(recv_mr.status());
+  ++(small ? counters_.allreduce_recursive_doubling : halving ? counters_.allreduce_halving_doubling : counters_.allreduce_ring);
   if (small) {
     if (send != recv) std::memcpy(recv, send, bytes);
     return end_call(recursive_doubling(static_cast<uint8_t*>(recv), recv_mr->lkey(), count));

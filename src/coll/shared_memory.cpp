@@ -173,7 +173,7 @@ Result<std::unique_ptr<SharedSegment>> SharedSegment::create(const SegmentShape&
   return s;
 }
 
-Result<std::unique_ptr<SharedSegment>> SharedSegment::open(const std::string& name, uint64_t token, const SegmentShape& shape) {
+Result<std::unique_ptr<SharedSegment>> SharedSegment::open(const std::string& name, uint64_t token, const SegmentShape& shape, bool probe_direct) {
   if (!valid_segment_name(name)) return Status(Errc::invalid_argument, "shared memory: not a segment name");
   std::unique_ptr<SharedSegment> s(new SharedSegment());
   s->shape_ = shape;
@@ -196,7 +196,7 @@ Result<std::unique_ptr<SharedSegment>> SharedSegment::open(const std::string& na
       h.total_bytes != s->mapped_bytes_)
     return Status(Errc::invalid_argument, "shared memory: " + name + "'s header does not match the peer's hello");
   s->owner_pid_ = h.owner_pid;
-  s->direct_writable_ = probe_direct_write(h.owner_pid, h.probe_address, token);
+  s->direct_writable_ = probe_direct && probe_direct_write(h.owner_pid, h.probe_address, token);
   return s;
 }
 

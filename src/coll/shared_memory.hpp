@@ -96,10 +96,10 @@ class SharedSegment {
   // Maps a peer's segment. Fails (and the pair uses its QPs) when the name
   // is not a Stellar segment name, the file is missing (another /dev/shm:
   // another container), not a regular file of the expected size, or its
-  // header disagrees with the shape or the token the peer published. Then
-  // probes whether this process may write into the owner's memory
-  // (direct_writable()).
-  static Result<std::unique_ptr<SharedSegment>> open(const std::string& name, uint64_t token, const SegmentShape&);
+  // header disagrees with the shape or the token the peer published. Then,
+  // with `probe_direct`, probes whether this process may write into the
+  // owner's memory (direct_writable(); false without the probe).
+  static Result<std::unique_ptr<SharedSegment>> open(const std::string& name, uint64_t token, const SegmentShape&, bool probe_direct = true);
   ~SharedSegment();
   SharedSegment(const SharedSegment&) = delete;
   SharedSegment& operator=(const SharedSegment&) = delete;
