@@ -542,7 +542,6 @@ class Comm final : public Communicator {
   Status progress_transfers(bool* moved);
   Status poll_once(bool* moved);
   Status drain_transfers();
-  Status pairwise_exchange(Peer& to, const uint8_t* source, uint32_t lkey, size_t out_bytes, Peer& from, uint8_t* destination, size_t in_bytes);
   Status wait_sent(Peer& p, uint64_t sequence, const char* what);
   Status post_control(Peer& p, uint32_t imm);
   // Returns the credits owed to `p` (waiting for send-queue room), or to
@@ -579,12 +578,13 @@ class Comm final : public Communicator {
   bool gathers_into(const Peer& next) const { return next.direct && (!next.shm || next.shm_direct_out); }
   Status recursive_doubling(uint8_t* work, uint32_t lkey, size_t count);
   Status halving_doubling(const uint8_t* contribution, uint32_t contribution_lkey, uint8_t* work, uint32_t lkey, size_t count);
-  // Sends `out_bytes` from `out` to `partner` while receiving `in_bytes` from
-  // it, chunk by chunk: each chunk received lands at `destination`, reduced
-  // with `operand` (same offsets) where that is given, copied where not. On
-  // return every send has completed (`out` may be overwritten).
-  Status exchange(Peer& partner, const uint8_t* out, uint32_t out_lkey, size_t out_bytes, uint8_t* destination, const uint8_t* operand,
-                  size_t in_bytes);
+  // Sends `out_bytes` from `out` to `to` while receiving `in_bytes` from
+  // `from` (the same peer or not), chunk by chunk: each chunk received lands
+  // at `destination`, reduced with `operand` (same offsets) where that is
+  // given, copied where not. *last_sent: the last send's sequence (0: none),
+  // for wait_sent before `out` is overwritten.
+  Status exchange(Peer& to, const uint8_t* out, uint32_t out_lkey, size_t out_bytes, Peer& from, uint8_t* destination, const uint8_t* operand,
+                  size_t in_bytes, uint64_t* last_sent = nullptr);
   Status exchange_reduce(Peer& partner, uint8_t* work, uint32_t lkey, size_t count);
   Status send_all(Peer& p, const uint8_t* source, uint32_t lkey, size_t bytes);
   Status receive_all(Peer& p, uint8_t* destination, size_t bytes, bool reduce);
@@ -1871,34 +1871,35 @@ Status Comm::recursive_doubling(uint8_t* work, uint32_t lkey, size_t count) {
   return {};
 }
 
-Status Comm::exchange(Peer& partner, const uint8_t* out, uint32_t out_lkey, size_t out_bytes, uint8_t* destination, const uint8_t* operand,
-                      size_t in_bytes) {
+Status Comm::exchange(Peer& to, const uint8_t* out, uint32_t out_lkey, size_t out_bytes, Peer& from, uint8_t* destination, const uint8_t* operand,
+                      size_t in_bytes, uint64_t* last_sent) {
   const size_t chunk = options_.chunk_bytes;
   const size_t out_chunks = (out_bytes + chunk - 1) / chunk, in_chunks = (in_bytes + chunk - 1) / chunk;
   size_t sent = 0, received = 0;
   uint64_t last = 0;
   while (sent < out_chunks || received < in_chunks) {
     bool moved = false;
-    while (sent < out_chunks && can_post(partner)) {
+    while (sent < out_chunks && can_post(to)) {
       const size_t at = sent * chunk;
-      if (Status s = send(partner, out + at, out_lkey, std::min(chunk, out_bytes - at), &last); !s.ok()) return s;
+      if (Status s = send(to, out + at, out_lkey, std::min(chunk, out_bytes - at), &last); !s.ok()) return s;
       ++sent;
       moved = true;
     }
-    if (received < in_chunks && partner.has_arrival()) {
+    if (received < in_chunks && from.has_arrival()) {
       const size_t at = received * chunk, length = std::min(chunk, in_bytes - at);
-      auto incoming = receive(partner, length);
+      auto incoming = receive(from, length);
       if (!incoming) return incoming.status();
       if (operand) detail::reduce(type_, op_, destination + at, operand + at, *incoming, length / element_);
       else std::memcpy(destination + at, *incoming, length);
-      if (Status s = release(partner); !s.ok()) return s;
+      if (Status s = release(from); !s.ok()) return s;
       ++received;
       continue;
     }
     if (!moved)
-      if (Status s = pump(&partner, received < in_chunks ? "data" : "credits"); !s.ok()) return s;
+      if (Status s = pump(received < in_chunks ? &from : &to, received < in_chunks ? "data" : "credits"); !s.ok()) return s;
   }
-  return last ? wait_sent(partner, last, "acknowledgement") : Status{};
+  if (last_sent) *last_sent = last;
+  return {};
 }
 
 // Rabenseifner's allreduce on the largest power of two p <= N. Reduce-
@@ -1939,10 +1940,14 @@ Status Comm::halving_doubling(const uint8_t* contribution, uint32_t contribution
     const size_t give_lo = keep_lower ? mid : lo, give_hi = keep_lower ? hi : mid;
     const uint8_t* source = parents.empty() ? contribution : work;  // after step one, work holds the partial sums
     const uint32_t source_lkey = parents.empty() ? contribution_lkey : lkey;
-    if (Status s = exchange(partner, source + give_lo * element_, source_lkey, (give_hi - give_lo) * element_, work + keep_lo * element_,
-                            source + keep_lo * element_, (keep_hi - keep_lo) * element_);
+    uint64_t last = 0;
+    if (Status s = exchange(partner, source + give_lo * element_, source_lkey, (give_hi - give_lo) * element_, partner, work + keep_lo * element_,
+                            source + keep_lo * element_, (keep_hi - keep_lo) * element_, &last);
         !s.ok())
       return s;
+    // The half given away is overwritten in the allgather: sent first.
+    if (last)
+      if (Status s = wait_sent(partner, last, "acknowledgement"); !s.ok()) return s;
     parents.emplace_back(lo, hi);
     lo = keep_lo;
     hi = keep_hi;
@@ -1954,7 +1959,7 @@ Status Comm::halving_doubling(const uint8_t* contribution, uint32_t contribution
     const auto [parent_lo, parent_hi] = parents.back();
     parents.pop_back();
     const size_t other_lo = lo == parent_lo ? hi : parent_lo, other_hi = lo == parent_lo ? parent_hi : lo;
-    if (Status s = exchange(partner, work + lo * element_, lkey, (hi - lo) * element_, work + other_lo * element_, nullptr,
+    if (Status s = exchange(partner, work + lo * element_, lkey, (hi - lo) * element_, partner, work + other_lo * element_, nullptr,
                             (other_hi - other_lo) * element_);
         !s.ok())
       return s;
@@ -2206,34 +2211,6 @@ Status Comm::reduce(const void* send, void* recv, size_t count, DataType type, R
 // Sends out_bytes to `to` while receiving in_bytes from `from`, chunk by
 // chunk, interleaved: every rank does this at once with other partners, so
 // neither direction may wait for the other to finish.
-Status Comm::pairwise_exchange(Peer& to, const uint8_t* source, uint32_t lkey, size_t out_bytes, Peer& from, uint8_t* destination, size_t in_bytes) {
-  const size_t chunk = options_.chunk_bytes;
-  const size_t out_chunks = (out_bytes + chunk - 1) / chunk, in_chunks = (in_bytes + chunk - 1) / chunk;
-  size_t sent = 0, received = 0;
-  while (sent < out_chunks || received < in_chunks) {
-    bool moved = false;
-    while (sent < out_chunks && can_post(to)) {
-      uint64_t sequence = 0;
-      const size_t at = sent * chunk;
-      if (Status s = send(to, source + at, lkey, std::min(chunk, out_bytes - at), &sequence); !s.ok()) return s;
-      ++sent;
-      moved = true;
-    }
-    if (received < in_chunks && from.has_arrival()) {
-      const size_t at = received * chunk, length = std::min(chunk, in_bytes - at);
-      auto incoming = receive(from, length);
-      if (!incoming) return incoming.status();
-      std::memcpy(destination + at, *incoming, length);
-      if (Status s = release(from); !s.ok()) return s;
-      ++received;
-      continue;
-    }
-    if (!moved)
-      if (Status s = pump(received < in_chunks ? &from : &to, received < in_chunks ? "data" : "credits"); !s.ok()) return s;
-  }
-  return {};
-}
-
 // Pairwise exchange in N-1 steps: at step s rank r sends to r+s and
 // receives from r-s, so every rank has one partner each way per step.
 Status Comm::all_to_all(const void* send, const size_t* send_counts, const size_t* send_offsets, void* recv, const size_t* recv_counts,
@@ -2266,8 +2243,8 @@ Status Comm::all_to_all(const void* send, const size_t* send_counts, const size_
   for (int step = 1; step < size_; ++step) {
     Peer& to = peer(rank_ + step);
     Peer& from = peer(rank_ - step);
-    if (Status s = pairwise_exchange(to, in + send_offsets[to.rank] * element, send_mr.lkey(), send_counts[to.rank] * element, from,
-                                     out + recv_offsets[from.rank] * element, recv_counts[from.rank] * element);
+    if (Status s = exchange(to, in + send_offsets[to.rank] * element, send_mr.lkey(), send_counts[to.rank] * element, from,
+                            out + recv_offsets[from.rank] * element, nullptr, recv_counts[from.rank] * element);
         !s.ok())
       return s;
   }
