@@ -577,6 +577,7 @@ class Comm final : public Communicator {
   }
   bool gathers_into(const Peer& next) const { return next.direct && (!next.shm || next.shm_direct_out); }
   Status recursive_doubling(uint8_t* work, uint32_t lkey, size_t count);
+  Status fold_in_excess(uint8_t* work, uint32_t lkey, size_t bytes, int p, bool* excess);
   Status halving_doubling(const uint8_t* contribution, uint32_t contribution_lkey, uint8_t* work, uint32_t lkey, size_t count);
   // Sends `out_bytes` from `out` to `to` while receiving `in_bytes` from
   // `from` (the same peer or not), chunk by chunk: each chunk received lands
@@ -1849,20 +1850,30 @@ Status Comm::exchange_reduce(Peer& partner, uint8_t* work, uint32_t lkey, size_t
   return {};
 }
 
-// Recursive doubling on the largest power of two p <= N; ranks p..N-1 first
-// fold their vector into rank r-p and get the result back at the end.
-Status Comm::recursive_doubling(uint8_t* work, uint32_t lkey, size_t count) {
-  int p = 1;
-  while (p * 2 <= size_) p *= 2;
-  const size_t bytes = count * element_;
-  if (rank_ >= p) {
+// Ranks p..N-1 (p the largest power of two <= N) fold their vector into
+// rank r-p, which reduces it into its own, and wait for the result, which
+// rank r-p sends back at the end (send_all). *excess: this rank is one of
+// them, and `work` holds the result.
+Status Comm::fold_in_excess(uint8_t* work, uint32_t lkey, size_t bytes, int p, bool* excess) {
+  *excess = rank_ >= p;
+  if (*excess) {
     Peer& partner = peer(rank_ - p);
     if (Status s = send_all(partner, work, lkey, bytes); !s.ok()) return s;
     if (Status s = wait_sent(partner, partner.sends_posted, "acknowledgement"); !s.ok()) return s;
     return receive_all(partner, work, bytes, false);
   }
-  if (rank_ + p < size_)
-    if (Status s = receive_all(peer(rank_ + p), work, bytes, true); !s.ok()) return s;
+  if (rank_ + p < size_) return receive_all(peer(rank_ + p), work, bytes, true);
+  return {};
+}
+
+// Recursive doubling on the largest power of two p <= N (ranks past it
+// fold in and out: fold_in_excess).
+Status Comm::recursive_doubling(uint8_t* work, uint32_t lkey, size_t count) {
+  int p = 1;
+  while (p * 2 <= size_) p *= 2;
+  const size_t bytes = count * element_;
+  bool excess = false;
+  if (Status s = fold_in_excess(work, lkey, bytes, p, &excess); !s.ok() || excess) return s;
   for (int mask = 1; mask < p; mask <<= 1)
     if (Status s = exchange_reduce(peer(rank_ ^ mask), work, lkey, count); !s.ok()) return s;
   if (op_ == ReduceOp::avg) detail::divide(type_, work, count, size_);
@@ -1921,14 +1932,8 @@ Status Comm::halving_doubling(const uint8_t* contribution, uint32_t contribution
     contribution = work;
     contribution_lkey = lkey;
   }
-  if (rank_ >= p) {
-    Peer& partner = peer(rank_ - p);
-    if (Status s = send_all(partner, work, lkey, bytes); !s.ok()) return s;
-    if (Status s = wait_sent(partner, partner.sends_posted, "acknowledgement"); !s.ok()) return s;
-    return receive_all(partner, work, bytes, false);
-  }
-  if (rank_ + p < size_)
-    if (Status s = receive_all(peer(rank_ + p), work, bytes, true); !s.ok()) return s;
+  bool excess = false;
+  if (Status s = fold_in_excess(work, lkey, bytes, p, &excess); !s.ok() || excess) return s;
   // Reduce-scatter: the ranges split so far (element offsets), to undo in reverse.
   std::vector<std::pair<size_t, size_t>> parents;
   size_t lo = 0, hi = count;
