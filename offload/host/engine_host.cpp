@@ -27,6 +27,12 @@ uint64_t monotonic_ns() {
   return uint64_t(t.tv_sec) * 1'000'000'000ull + uint64_t(t.tv_nsec);
 }
 
+// Time since `since`, never negative. The daemon stamps posts on its client
+// threads with a fresh clock while a shard serves with the `now` it read when
+// its round began, so a stamp may lie slightly ahead of `now`: an unsigned
+// `now - since` would wrap and expire every timer at once.
+uint64_t elapsed(uint64_t now, uint64_t since) { return now > since ? now - since : 0; }
+
 uint64_t arrival_from_stamp(uint64_t stamp, int64_t offset, uint64_t now) {
   if (stamp == 0) return 0;
   const uint64_t at = uint64_t(int64_t(stamp) - offset);
@@ -156,7 +162,7 @@ constexpr uint64_t sizing_max_heard_interval_ns = 2'000'000;  // once it answers
 constexpr uint64_t sizing_patience_ns = 1'000'000'000;
 constexpr uint64_t sizing_slow_interval_ns = 1'000'000'000;
 uint64_t sizing_back_off(uint64_t interval, uint64_t started, uint64_t now) {
-  return now - started >= sizing_patience_ns ? sizing_slow_interval_ns : std::min(interval * 2, sizing_max_interval_ns);
+  return elapsed(now, started) >= sizing_patience_ns ? sizing_slow_interval_ns : std::min(interval * 2, sizing_max_interval_ns);
 }
 // Work posted while a connection sizes its path waits at most this long
 // (for a peer that never answers, or answers and never acknowledges the
@@ -174,7 +180,7 @@ bool same_address(const sockaddr_in& a, const sockaddr_in& b) { return a.sin_add
 }  // namespace
 
 bool EngineHost::Engine::abandoned_fresh(const sockaddr_in& from, uint64_t now) const {
-  return abandoned_challenge != 0 && now - abandoned_ns < abandoned_lifetime_ns && same_address(abandoned_candidate, from);
+  return abandoned_challenge != 0 && elapsed(now, abandoned_ns) < abandoned_lifetime_ns && same_address(abandoned_candidate, from);
 }
 
 EngineHost::EngineHost(std::mutex& lock, HostClient& client) : lock_(lock), client_(client) {}
@@ -909,7 +915,7 @@ void EngineHost::on_unvalidated(Engine& e, const sockaddr_in& from, const uint8_
     // A new candidate replaces one being validated only once that one had
     // its time: a token holder cycling source addresses gets at most one
     // challenge per interval out of us.
-    if (v.active && now - v.sent_ns < interval) {
+    if (v.active && elapsed(now, v.sent_ns) < interval) {
       ++migration_dropped_;
       return;
     }
@@ -951,7 +957,7 @@ void EngineHost::address_timers_locked(uint64_t now) {
   for (auto& [key, ep] : engines_) {
     Engine& e = *ep;
     Engine::Validation& v = e.validation;
-    if (v.active && now - v.sent_ns >= std::max(min_challenge_interval_ns, 2 * e.engine.smoothed_rtt_ns())) {
+    if (v.active && elapsed(now, v.sent_ns) >= std::max(min_challenge_interval_ns, 2 * e.engine.smoothed_rtt_ns())) {
       if (v.sends >= max_challenges) {
         migration_dropped_ += v.held.size();  // never answered: forget it and what it held
         e.abandoned_candidate = v.candidate;
@@ -1083,7 +1089,7 @@ void EngineHost::decide_size(Engine& e, uint32_t size, uint64_t now) {
 
 void EngineHost::finish_sizing(Engine& e, uint64_t now) {
   // What the sizing cost the application: how long its first work waited.
-  if (e.sizing.waiting_since) mtu_last_ns_ = now > e.sizing.waiting_since ? now - e.sizing.waiting_since : 0;
+  if (e.sizing.waiting_since) mtu_last_ns_ = elapsed(now, e.sizing.waiting_since);
   e.sizing = Engine::Sizing{};
   --sizing_engines_;
   e.engine.hold_requests(false);
@@ -1128,7 +1134,7 @@ void EngineHost::on_path_sizing(Engine& e, const sockaddr_in& from, const uint8_
     // A leader still waiting for its peer: the peer is up now (the
     // follower's hello), so a full round goes at once, not after the back-off.
     if (z.role == Engine::Sizing::Role::leader && !z.decided && z.rounds_heard == 0 &&
-        now - z.round_sent_ns >= sizing_first_interval_ns / 4) {
+        elapsed(now, z.round_sent_ns) >= sizing_first_interval_ns / 4) {
       z.rounds = 0;  // a full round
       z.interval_ns = sizing_first_interval_ns;
       sizing_round(e, now);
@@ -1160,7 +1166,7 @@ void EngineHost::on_path_sizing(Engine& e, const sockaddr_in& from, const uint8_
     // that polls late must not stretch them).
     z.rounds_heard = 1;
     const uint64_t at = arrival && arrival >= z.round_sent_ns ? arrival : now;
-    z.interval_ns = std::clamp<uint64_t>(2 * (at - z.round_sent_ns), sizing_first_interval_ns, sizing_max_heard_interval_ns);
+    z.interval_ns = std::clamp<uint64_t>(2 * elapsed(at, z.round_sent_ns), sizing_first_interval_ns, sizing_max_heard_interval_ns);
     // Woken by the unpadded probe alone: the padded ones go now.
     z.next_ns = z.last_full ? now + z.interval_ns : now;
     sizing_due_ = std::min(sizing_due_, z.next_ns);
@@ -1177,7 +1183,7 @@ void EngineHost::sizing_timers_locked(uint64_t now) {
     Engine& e = *ep;
     Engine::Sizing& z = e.sizing;
     if (z.role == Engine::Sizing::Role::none) continue;
-    if (z.waiting_since && now - z.waiting_since >= sizing_timeout_ns) {
+    if (z.waiting_since && elapsed(now, z.waiting_since) >= sizing_timeout_ns) {
       // Work has waited for a peer that does not settle the size: it fails
       // as a dead peer's would, and the QP enters the error state.
       ++mtu_failed_;
