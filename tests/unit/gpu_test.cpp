@@ -416,6 +416,66 @@ TEST(SoftProviderGpu, WriteReadAndSendBetweenDeviceBuffersAreStaged) {
   for (CUdeviceptr p : {source, target, back}) EXPECT_EQ(d.api().cuMemFree(p), CUDA_SUCCESS);
 }
 
+// An inline payload from registered device memory is copied to the host
+// (staged) when it is posted; one from host memory is sent as it is. The
+// provider skips the staging lookup while the tenant has no region in GPU
+// memory (a cost on every small send), so it must find one registered later
+// and stop looking once the last is gone.
+TEST(SoftProviderGpu, InlinePayloadsFromDeviceMemoryAreStagedAndHostOnesAreNot) {
+  ScopedEnv env("STELLAR_CUDA_LIBRARY", FAKE_LIBCUDA_PATH);
+  const CudaDriver& d = fake();
+  auto copies = fake_control<unsigned long long (*)()>("fake_cuda_async_copies");
+  constexpr uint32_t bytes = 48;
+  CUdeviceptr source = 0;
+  ASSERT_EQ(d.api().cuMemAlloc(&source, 4096), CUDA_SUCCESS);
+  std::vector<uint8_t> pattern(bytes);
+  std::iota(pattern.begin(), pattern.end(), uint8_t(0x40));
+  {
+    Side a = open_side(), b = open_side();
+    connect(a, b);
+    std::vector<uint8_t> host_source(bytes, 0x11), target(4096, 0);
+    auto target_mr = b.pd->register_memory(target.data(), target.size(), access_local_write | access_remote_write).value();
+    auto host_mr = a.pd->register_memory(host_source.data(), bytes, access_local_write).value();
+    auto inline_write = [&](uint64_t address, uint32_t lkey, size_t at, uint64_t wr_id) {
+      Sge sge{address, bytes, lkey};
+      SendWr w;
+      w.wr_id = wr_id;
+      w.opcode = WrOpcode::rdma_write;
+      w.sg_list = {&sge, 1};
+      w.remote_addr = reinterpret_cast<uint64_t>(target.data() + at);
+      w.rkey = target_mr->rkey();
+      w.flags = send_signaled | send_inline;
+      ASSERT_TRUE(a.qp->post_send(w).ok());
+      const WorkCompletion wc = next_completion(a, b);
+      EXPECT_EQ(wc.status, WcStatus::success);
+      EXPECT_EQ(wc.wr_id, wr_id);
+    };
+    const auto host_bytes_at = [&](size_t at) { return std::vector<uint8_t>(target.begin() + long(at), target.begin() + long(at + bytes)); };
+
+    uint64_t before = copies();
+    inline_write(reinterpret_cast<uint64_t>(host_source.data()), host_mr->lkey(), 0, 1);
+    EXPECT_EQ(copies(), before) << "a host payload was copied through the GPU";
+    EXPECT_EQ(host_bytes_at(0), host_source);
+    {
+      auto device_mr = a.pd->register_memory(reinterpret_cast<void*>(source), 4096, access_local_write).value();
+      ASSERT_EQ(d.api().cuMemcpyHtoD(source, pattern.data(), bytes), CUDA_SUCCESS);  // a kernel's output, after registration
+      before = copies();
+      inline_write(source, device_mr->lkey(), 64, 2);
+      EXPECT_GT(copies(), before) << "the device payload was not staged";
+      EXPECT_EQ(host_bytes_at(64), pattern);
+      before = copies();
+      inline_write(reinterpret_cast<uint64_t>(host_source.data()), host_mr->lkey(), 128, 3);
+      EXPECT_EQ(copies(), before);
+      EXPECT_EQ(host_bytes_at(128), host_source);
+    }
+    before = copies();
+    inline_write(reinterpret_cast<uint64_t>(host_source.data()), host_mr->lkey(), 192, 4);
+    EXPECT_EQ(copies(), before);
+    EXPECT_EQ(host_bytes_at(192), host_source);
+  }
+  EXPECT_EQ(d.api().cuMemFree(source), CUDA_SUCCESS);
+}
+
 // A peer's plain RDMA WRITE (no later message) reaches the device at the
 // latest when the region is deregistered.
 TEST(SoftProviderGpu, DeregistrationFlushesPeersWrites) {

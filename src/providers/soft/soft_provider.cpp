@@ -155,6 +155,9 @@ struct Tenant {
   std::unordered_set<SoftQp*> qps;  // every QP of the tenant (outstanding-WR quotas)
   std::unordered_map<uint32_t, MrEntry> by_rkey;
   std::unordered_map<uint32_t, uint32_t> lkey_to_rkey;
+  // Of those, the regions in GPU memory: an inline payload's key is looked
+  // up (to stage a GPU source) only while there are any.
+  uint32_t gpu_regions = 0;
   std::unordered_map<uint32_t, bool> qpns;
   std::vector<GpuShadow*> dirty_gpu;  // GPU regions peers wrote since the last receive completion
   // Shadows whose dirty ranges a held receive completion (HeldCompletion) is
@@ -518,6 +521,7 @@ class SoftMr final : public MemoryRegion {
       // message): after deregistration the application may free the memory.
       (void)e_.gpu->synchronize();
       std::erase(t.dirty_gpu, e_.gpu.get());
+      --t.gpu_regions;
     }
     t.by_rkey.erase(e_.rkey);
     t.lkey_to_rkey.erase(e_.lkey);
@@ -602,6 +606,7 @@ Result<std::unique_ptr<MemoryRegion>> SoftPd::register_memory(void* addr, size_t
     return Status(Errc::invalid_argument, "register_memory: " + *error);
   }
   t.registered_bytes += length;
+  if (e.gpu) ++t.gpu_regions;
   return std::unique_ptr<MemoryRegion>(std::make_unique<SoftMr>(shared_from_this(), e));
 }
 
@@ -1027,7 +1032,7 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
     for (size_t i = 0; i < list.size(); message_offset += list[i].length, ++i) {
       const Sge& s = list[i];
       out[i] = off::Segment{reinterpret_cast<uint8_t*>(s.addr), s.length, inline_data ? 0u : s.lkey};
-      if (s.length == 0) continue;
+      if (s.length == 0 || (inline_data && t.gpu_regions == 0)) continue;
       auto k = t.lkey_to_rkey.find(s.lkey);
       if (inline_data) {
         // Inline lkeys are not checked (verbs), but a registered GPU source is staged all the same.
