@@ -255,6 +255,10 @@ struct Peer {
   // and it may write into ours (it set ring_flag_direct in our segment).
   // Both also need `direct` (both ranks allow direct gather).
   bool shm_direct_out = false, shm_direct_in = false;
+  // The kernel refused a write into the peer after bootstrap allowed it:
+  // our direct-gather messages to it go through the slots from then on
+  // (the receiver copies them out; the adverts and the ring's plan stay).
+  bool shm_direct_refused = false;
   uint8_t* landing = nullptr;  // our slots for this peer's messages
   uint64_t remote_landing = 0;  // the peer's slots for ours
   uint32_t remote_rkey = 0;
@@ -529,13 +533,16 @@ class Comm final : public Communicator {
   Status send(Peer& p, const uint8_t* source, uint32_t lkey, size_t bytes, uint64_t* sequence, uint64_t remote = 0, uint32_t rkey = 0);
   // Waits for the next message and checks it; `placed`: a gather message a
   // peer on shared memory must have written into our output (single copy).
-  Result<const uint8_t*> receive(Peer& p, size_t bytes, bool placed = false);
+  // *was_placed (where given): the sender did place it; it may not have
+  // (shared memory after a refused write: the slot holds it instead).
+  Result<const uint8_t*> receive(Peer& p, size_t bytes, bool placed = false, bool* was_placed = nullptr);
   Status release(Peer& p);                                // frees its slot: credit to the sender
   // The same with the message's name (call tag, index) given: what
   // point-to-point transfers use, outside any call.
   Status transmit(Peer& p, const uint8_t* source, uint32_t lkey, size_t bytes, uint64_t* sequence, uint16_t tag, uint32_t index,
                   uint64_t remote = 0, uint32_t rkey = 0);
-  Result<const uint8_t*> arrive(Peer& p, size_t bytes, uint16_t tag, uint32_t index, bool point_to_point, bool placed = false);
+  Result<const uint8_t*> arrive(Peer& p, size_t bytes, uint16_t tag, uint32_t index, bool point_to_point, bool placed = false,
+                                bool* was_placed = nullptr);
   Status release_slot(Peer& p);
   // Point to point: moves what can move without waiting; *moved says whether
   // anything did. drain_transfers() waits for every outstanding one.
@@ -1401,16 +1408,27 @@ Status Comm::transmit(Peer& p, const uint8_t* source, uint32_t lkey, size_t byte
     // be reused at once (nothing will read it again).
     if (bytes > options_.chunk_bytes) return fail(Status(Errc::invalid_argument, "communicator: a message larger than a landing slot"));
     uint64_t length = bytes;
-    if (remote) {  // direct gather: one copy, by the kernel, into the peer's output; the slot carries only the name
+    if (remote && !p.shm_direct_refused) {  // direct gather: one copy, by the kernel, into the peer's output; the slot carries only the name
       if (!p.shm_direct_out) return fail(Status(Errc::wrong_state, "communicator: a direct write to a peer on shared memory that does not allow it"));
       // A receiver that aborted may be about to hand its output back to its
       // caller: never write after seeing that (it waits for our own abort).
       if (own_segment_->sender_line(p.rank).flags.load(std::memory_order_acquire) & detail::ring_flag_abort)
         return fail(Status(Errc::io_error, std::string(call_name_) + ": rank " + std::to_string(p.rank) + " aborted the communicator (see its error)"));
-      if (Status s = p.shm->write_into_owner(remote, source, bytes); !s.ok())
+      Status s = p.shm->write_into_owner(remote, source, bytes);
+      if (s.code() == Errc::permission_denied) {
+        // Nothing was written: this and later messages take the slot (two
+        // copies, as without single copy), and the job goes on.
+        log().warn("coll: rank {}: single copy into rank {} no longer allowed, its gathers go through the slots: {}", rank_, p.rank, s.message());
+        p.shm_direct_refused = true;
+        --counters_.shared_memory_single_copy_peers;
+        remote = 0;
+      } else if (!s.ok()) {
         return fail(Status(s.code(), std::string(call_name_) + ": rank " + std::to_string(p.rank) + ": " + s.message()));
-      length |= detail::ring_meta_direct;
-    } else {
+      } else {
+        length |= detail::ring_meta_direct;
+      }
+    }
+    if (!(length & detail::ring_meta_direct)) {
       std::memcpy(p.shm->slots_of(rank_, p.rank) + (p.data_posted % options_.slots) * options_.chunk_bytes, source, bytes);
     }
     p.shm->meta(rank_, p.data_posted).store(uint64_t(data_imm(tag, 1, index)) << 32 | length, std::memory_order_relaxed);
@@ -1443,9 +1461,11 @@ Status Comm::transmit(Peer& p, const uint8_t* source, uint32_t lkey, size_t byte
   return {};
 }
 
-Result<const uint8_t*> Comm::receive(Peer& p, size_t bytes, bool placed) { return arrive(p, bytes, call_tag_, p.call_received, false, placed); }
+Result<const uint8_t*> Comm::receive(Peer& p, size_t bytes, bool placed, bool* was_placed) {
+  return arrive(p, bytes, call_tag_, p.call_received, false, placed, was_placed);
+}
 
-Result<const uint8_t*> Comm::arrive(Peer& p, size_t bytes, uint16_t tag, uint32_t index, bool point_to_point, bool placed) {
+Result<const uint8_t*> Comm::arrive(Peer& p, size_t bytes, uint16_t tag, uint32_t index, bool point_to_point, bool placed, bool* was_placed) {
   size_t part = 0;
   const uint32_t parts = stripe(p, bytes, &part);
   auto mismatch = [&] {
@@ -1463,8 +1483,9 @@ Result<const uint8_t*> Comm::arrive(Peer& p, size_t bytes, uint16_t tag, uint32_
   auto matches = [&](uint32_t j) {
     const Arrival& a = p.arrivals[j].front();
     // On shared memory the sender says where it put the bytes: a placed
-    // message where a slot was expected (or the reverse) would take stale bytes.
-    return a.imm == data_imm(tag, parts, index) && a.length == std::min(part, bytes - size_t(j) * part) && (!p.shm || a.placed == placed);
+    // message where a slot was expected would take stale bytes. The reverse
+    // is a sender whose single copy was refused (Peer::shm_direct_refused).
+    return a.imm == data_imm(tag, parts, index) && a.length == std::min(part, bytes - size_t(j) * part) && (!a.placed || placed);
   };
   for (uint32_t j = 0; j < parts; ++j) {
     while (p.arrivals[j].empty()) {
@@ -1475,6 +1496,7 @@ Result<const uint8_t*> Comm::arrive(Peer& p, size_t bytes, uint16_t tag, uint32_
     }
     if (!matches(j)) return mismatch();
   }
+  if (was_placed) *was_placed = p.arrivals[0].front().placed;
   p.receiving_parts = parts;
   return p.landing + (p.data_consumed % options_.slots) * options_.chunk_bytes;
 }
@@ -1762,7 +1784,8 @@ Status Comm::ring(const RingPlan& plan) {
       const int segment = received_segment(step);
       const size_t bytes = chunk_bytes(segment, k);
       const bool reducing = step <= n - 2;
-      auto incoming = receive(prev, bytes, into_us && !reducing && prev.shm);
+      bool placed = false;
+      auto incoming = receive(prev, bytes, into_us && !reducing && prev.shm, &placed);
       if (!incoming) return incoming.status();
       const size_t element_offset = plan.offset[size_t(segment)] + k * chunk_elements;
       const size_t id = size_t(segment) * max_chunks + k;
@@ -1774,7 +1797,7 @@ Status Comm::ring(const RingPlan& plan) {
       if (reducing) {
         detail::reduce(type_, op_, destination, plan.contribution + element_offset * element_, *incoming, bytes / element_);
         if (step == n - 2 && op_ == ReduceOp::avg) detail::divide(type_, destination, bytes / element_, n);
-      } else if (into_us) {
+      } else if (into_us && (!prev.shm || placed)) {
         counters_.bytes_gathered_in_place += bytes;  // prev wrote it where it belongs
       } else {
         std::memcpy(destination, *incoming, bytes);

@@ -252,6 +252,10 @@ Status SharedSegment::write_into_owner(uint64_t address, const void* source, siz
   if (n == ssize_t(bytes)) return {};
   if (n >= 0 || errno == EFAULT)
     return Status(Errc::invalid_argument, "shared memory: the " + std::to_string(bytes) + " bytes the peer advertised for its output are not its writable memory");
+  // Allowed at bootstrap, refused now (a seccomp filter or a ptrace policy
+  // applied since): the caller can still use the slots.
+  if (errno == EPERM || errno == EACCES || errno == ENOSYS)
+    return Status(Errc::permission_denied, "shared memory: process_vm_writev into rank's process " + std::to_string(owner_pid_) + " refused: " + std::strerror(errno));
   return os_error("shared memory: process_vm_writev into rank's process " + std::to_string(owner_pid_));
 }
 

@@ -137,9 +137,10 @@ class SharedSegment {
   // owner's memory; false for the owner's own mapping.
   bool direct_writable() const { return direct_writable_; }
   // Copies `bytes` from `source` (this process) to `address` in the owner's
-  // process, the whole of it or an error: io_error when the kernel refuses
-  // or the owner is gone, invalid_argument when the range is not the
-  // owner's writable memory. Only where direct_writable().
+  // process, the whole of it or an error: permission_denied when the kernel
+  // refuses this process the call (nothing was written), io_error when the
+  // owner is gone, invalid_argument when the range is not the owner's
+  // writable memory. Only where direct_writable().
   Status write_into_owner(uint64_t address, const void* source, size_t bytes) const;
 
  private:

@@ -7,6 +7,9 @@
 #include <sched.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
+#include <sys/syscall.h>
 #include <sys/stat.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -15,6 +18,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstddef>
 #include <cmath>
 #include <filesystem>
 #include <set>
@@ -1047,6 +1051,68 @@ TEST(SharedMemory, DirectGatherWritesIntoTheNextRanksProcess) {
       if (data[i] != 2 * int32_t(i % 977) + 1) return 2;
     return c.counters().bytes_gathered_in_place == before ? 0 : 3;
   }, shared_memory));
+}
+
+// Makes process_vm_writev fail with EPERM in the calling thread from now
+// on, as a seccomp profile applied after bootstrap would.
+bool refuse_process_vm_writev() {
+  sock_filter filter[] = {
+      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, nr)),
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, SYS_process_vm_writev, 0, 1),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | EPERM),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+  };
+  sock_fprog program{uint16_t(sizeof filter / sizeof filter[0]), filter};
+  return prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0 && prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &program) == 0;
+}
+
+// The probe at bootstrap allowed single copy, then the kernel refuses it:
+// the writer carries on through the slots and the receiver copies out of
+// them; every result is still right.
+TEST(SharedMemory, ASingleCopyRefusedAfterBootstrapFallsBackToTheSlots) {
+  auto shared_small = [](CommunicatorOptions& o) {
+    small_chunks(o);
+    shared_memory(o);
+    o.allreduce_algorithm = AllreduceAlgorithm::ring;
+  };
+  expect_all_zero(run_ranks(3, [](Communicator& c, int rank) {
+    if (c.counters().shared_memory_single_copy_peers != 2) return 8;
+    if (rank == 1 && !refuse_process_vm_writev()) return 9;
+    // Rank 1 writes into rank 2: only rank 2 receives through its slots.
+    if (int r = gather_directly(c, rank != 2); r != 0) return r;
+    if (c.counters().shared_memory_single_copy_peers != (rank == 1 ? 1 : 2)) return 10;
+    return all_peers_shared_then(c, {1001, 12347, 100003}, true);
+  }, shared_small));
+}
+
+// kill -9 of a rank while the previous rank writes into its output with
+// process_vm_writev: the writer's next write finds the process gone (or its
+// lock says so first), and every survivor fails with io_error in time.
+TEST(SharedMemory, AReceiverKilledWhileItsWriterWritesIsAnErrorNotACrash) {
+  const auto before = segments_in_dev_shm();
+  const auto codes = run_ranks(
+      3,
+      [](Communicator& comm, int rank) {
+        if (rank == 2) std::thread([] { std::this_thread::sleep_for(std::chrono::milliseconds(300)); raise(SIGKILL); }).detach();
+        std::vector<int32_t> v(1 << 20, 1);
+        Status s;
+        for (int i = 0; i < 100000 && s.ok(); ++i) s = comm.allreduce(v.data(), v.data(), v.size(), DataType::int32, ReduceOp::max);
+        std::fprintf(stderr, "rank %d: %s, %llu bytes gathered in place\n", rank, s.to_string().c_str(),
+                     (unsigned long long)comm.counters().bytes_gathered_in_place);
+        if (s.ok()) return 1;
+        if (comm.counters().bytes_gathered_in_place == 0) return 2;  // the writes were not what ran
+        return s.code() == Errc::io_error ? 0 : 5;
+      },
+      [](CommunicatorOptions& o) {
+        shared_memory(o);
+        o.allreduce_algorithm = AllreduceAlgorithm::ring;
+        o.timeout = 60s;  // the harness gives up at 30 s
+      },
+      30s);
+  EXPECT_EQ(codes[0], 0);
+  EXPECT_EQ(codes[1], 0);
+  EXPECT_EQ(codes[2], -SIGKILL);
+  expect_no_new_segments(before);
 }
 
 // kill -9 of a rank on the same host: its liveness lock goes with it, so
