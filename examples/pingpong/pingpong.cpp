@@ -310,9 +310,11 @@ int main(int argc, char** argv) {
   if (!is_server) {
     std::printf("---------------------------------------------------------------------------------------\n");
     const ContextCounters c = context->counters();
-    std::printf("# packets tx %llu rx %llu, retransmitted %llu, timeouts %llu, faults dropped %llu duplicated %llu reordered %llu\n",
+    std::printf("# packets tx %llu rx %llu, retransmitted %llu (tail probes %llu, spurious %llu), timeouts %llu, duplicates received %llu, "
+                "faults dropped %llu duplicated %llu reordered %llu\n",
                 (unsigned long long)c.tx_packets, (unsigned long long)c.rx_packets, (unsigned long long)c.retransmitted_packets,
-                (unsigned long long)c.timeouts, (unsigned long long)c.fault_dropped, (unsigned long long)c.fault_duplicated,
+                (unsigned long long)c.tail_probes, (unsigned long long)c.spurious_retransmits, (unsigned long long)c.timeouts,
+                (unsigned long long)c.rx_duplicates, (unsigned long long)c.fault_dropped, (unsigned long long)c.fault_duplicated,
                 (unsigned long long)c.fault_reordered);
   }
   accounting::print(stdout, *context, cpu_from, accounting::sample(*context), moved_bytes, round_trips);
