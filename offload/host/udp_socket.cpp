@@ -70,6 +70,8 @@ std::optional<SocketError> UdpSocket::adopt(UdpSocket& fresh) {
   sparse_ = false;
   quiet_receives_ = 0;
   address_error_ = false;
+  connected_ = false;  // the new socket is not
+  same_peer_sends_ = 0;
   if (send_only_) send_only();
   if (ecn_) enable_ecn();
   fresh.close();
@@ -84,7 +86,8 @@ void UdpSocket::close() {
   prepared_ = nullptr;
   prepared_count_ = 0;
   sparse_ = false;
-  send_only_ = address_error_ = ecn_ = false;
+  send_only_ = address_error_ = ecn_ = connected_ = false;
+  same_peer_sends_ = 0;
   quiet_receives_ = 0;
 }
 
@@ -100,6 +103,28 @@ void UdpSocket::send_only() {
   send_only_ = true;
   const int smallest = 1;  // the kernel rounds it up to its minimum
   ::setsockopt(fd_, SOL_SOCKET, SO_RCVBUF, &smallest, sizeof smallest);
+}
+
+namespace {
+bool same_peer(const sockaddr_in& a, const sockaddr_in& b) { return a.sin_addr.s_addr == b.sin_addr.s_addr && a.sin_port == b.sin_port; }
+}  // namespace
+
+void UdpSocket::note_destination(const sockaddr_in& peer) {
+  if (connected_ && same_peer(peer, connected_peer_)) return;
+  if (!same_peer(peer, last_peer_)) {
+    last_peer_ = peer;
+    same_peer_sends_ = 0;
+  }
+  // One connect per run of connect_after_sends messages at most, however
+  // the destinations alternate (a connect costs about one send).
+  if (++same_peer_sends_ < connect_after_sends) return;
+  same_peer_sends_ = 0;
+  if (::connect(fd_, reinterpret_cast<const sockaddr*>(&peer), sizeof peer) == 0) {
+    connected_ = true;
+    connected_peer_ = peer;
+  } else {
+    connected_ = false;  // e.g. no route now: addressed sends, as before
+  }
 }
 
 std::optional<SocketError> UdpSocket::open(const std::string& address, uint16_t port) {
@@ -302,6 +327,7 @@ int UdpSocket::send_batch(Datagram* batch, int count, int& error) {
   for (int i = 0; i < count; ++i) parts_needed += batch[i].part_count ? batch[i].part_count : 1;
   if (parts_needed > iovecs_.size()) iovecs_.resize(std::min(parts_needed, size_t(max_batch) * gso_max_segments * max_parts));
   int done = 0;  // datagrams handed to the kernel (or given up on)
+  bool retried = false;  // see the connected socket's pending error below
   while (done < count) {
     // Build up to max_batch messages; with GSO one message carries a run of
     // equal-sized datagrams to the same peer (the last may be shorter).
@@ -333,8 +359,10 @@ int UdpSocket::send_batch(Datagram* batch, int count, int& error) {
       }
       msghdr& h = messages_[size_t(messages)].msg_hdr;
       h = msghdr{};
-      h.msg_name = const_cast<sockaddr_in*>(&first.peer);
-      h.msg_namelen = sizeof(sockaddr_in);
+      if (!connected_ || !same_peer(first.peer, connected_peer_)) {  // to the connected peer: no address, the kept route
+        h.msg_name = const_cast<sockaddr_in*>(&first.peer);
+        h.msg_namelen = sizeof(sockaddr_in);
+      }
       h.msg_iov = &iovecs_[iov];
       h.msg_iovlen = parts;
       for (int k = 0; k < run; ++k) {
@@ -391,6 +419,14 @@ int UdpSocket::send_batch(Datagram* batch, int count, int& error) {
     const int send_errno = errno;
     if (fixup_) fix(false);  // the kernel has copied what it took
     errno = send_errno;
+    if (n <= 0 && connected_ && !retried && errno != EAGAIN && errno != EWOULDBLOCK && errno != ENOBUFS) {
+      // A connected socket reports an earlier datagram's ICMP error (port
+      // or net unreachable, fragmentation needed) on its next send, which
+      // then sent nothing. Reported and cleared now: send it again, as an
+      // unconnected socket would have sent it. A real failure fails again.
+      retried = true;
+      continue;
+    }
     if (n <= 0) {
       error = errno;
       if (errno == ENETUNREACH || errno == EADDRNOTAVAIL || errno == EINVAL) address_error_ = true;
@@ -403,6 +439,7 @@ int UdpSocket::send_batch(Datagram* batch, int count, int& error) {
       continue;
     }
     done = firsts[n - 1] + sizes[n - 1];
+    if (send_only_) note_destination(batch[firsts[n - 1]].peer);
   }
   return done;
 }

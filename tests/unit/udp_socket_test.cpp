@@ -148,3 +148,48 @@ TEST(UdpSocket, ScatteredBatchLaysEachDatagramOutOnItsOwn) {
   // Nothing waiting: none, without blocking.
   EXPECT_EQ(r.socket.receive_scattered_batch(r.batch.data(), layouts, 3), 0);
 }
+
+// A send-only socket (a multipath host's extra source port) connects itself
+// to the peer it keeps sending to, so that the kernel keeps the route; its
+// datagrams to that peer and to any other still arrive, and a dead peer's
+// ICMP error, which a connected socket reports on its next send, costs no
+// datagram to anyone else.
+TEST(UdpSocket, ASendOnlySocketConnectsToItsPeerAndStillReachesOthers) {
+  Receiver a, b;
+  UdpSocket sender;
+  ASSERT_FALSE(sender.open("127.0.0.1", 0).has_value());
+  sender.send_only();
+  uint8_t payload[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+  auto send_to = [&](const UdpSocket& to, uint8_t tag) {
+    payload[0] = tag;
+    Datagram d{payload, sizeof payload, sizeof payload, to.local(), 0};
+    int error = 0;
+    return sender.send_batch(&d, 1, error);
+  };
+  auto drain = [](Receiver& r) {
+    int got = 0;
+    for (int n; (n = r.socket.receive_batch(r.batch.data(), int(r.batch.size()))) > 0;) got += n;
+    return got;
+  };
+  for (uint32_t i = 0; i + 1 < UdpSocket::connect_after_sends; ++i) ASSERT_EQ(send_to(a.socket, 1), 1);
+  EXPECT_FALSE(sender.connected());
+  ASSERT_EQ(send_to(a.socket, 1), 1);
+  EXPECT_TRUE(sender.connected());
+  ASSERT_EQ(send_to(a.socket, 2), 1);  // unaddressed now
+  ASSERT_EQ(send_to(b.socket, 3), 1);  // addressed, to another peer
+  EXPECT_EQ(drain(a), int(UdpSocket::connect_after_sends) + 1);
+  ASSERT_EQ(b.receive(false), 1);
+  EXPECT_EQ(b.batch[0].data[0], 3);
+  EXPECT_EQ(b.batch[0].peer.sin_port, sender.local().sin_port);
+  // The connected peer goes away: its port answers with ICMP, which the
+  // kernel hands to the next send, whatever its destination.
+  const sockaddr_in gone = a.socket.local();
+  a.socket.close();
+  Datagram d{payload, sizeof payload, sizeof payload, gone, 0};
+  int error = 0;
+  sender.send_batch(&d, 1, error);
+  ::usleep(1000);
+  ASSERT_EQ(send_to(b.socket, 4), 1);
+  ASSERT_EQ(b.receive(false), 1);
+  EXPECT_EQ(b.batch[0].data[0], 4);
+}
