@@ -175,7 +175,13 @@ int main(int argc, char** argv) {
   std::vector<WorkCompletion> wc(64);
   std::vector<uint8_t> scratch;
   auto completion_failed = [&](const WorkCompletion& w) {
-    fail(std::string("completion of wr ") + std::to_string(w.wr_id) + " failed: " + to_string(w.status));
+    // What the transport went through, for whoever reads the failure.
+    const ContextCounters c = context->counters();
+    fail(std::string("completion of wr ") + std::to_string(w.wr_id) + " failed: " + to_string(w.status) + " (tx " +
+         std::to_string(c.tx_packets) + " rx " + std::to_string(c.rx_packets) + " packets, retransmitted " +
+         std::to_string(c.retransmitted_packets) + ", timeouts " + std::to_string(c.timeouts) + ", tail probes " +
+         std::to_string(c.tail_probes) + ", paths retired " + std::to_string(c.paths_retired) + ", spurious " +
+         std::to_string(c.spurious_retransmits) + ", send errors " + std::to_string(c.send_errors) + ")");
   };
   const auto progress_limit = std::chrono::seconds(30);
 
