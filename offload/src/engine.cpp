@@ -162,6 +162,7 @@ void QpEngine::receive_decoded(const Header& h, uint64_t now_ns, uint64_t arriva
   const bool stellar = s.ctx.config.mode == Mode::stellar;
   if (stellar) {
     s.replies.on_packet(h);  // the host maps any path value onto its ports
+    if (!opcode_is_request(h.opcode) && h.path == h.echo_path) s.paths.on_round_trip(h.path);
     if (opcode_is_request(h.opcode)) s.replies.on_request(h.path);
     if (congestion_mark) {
       ++s.ctx.counters.congestion_marks;

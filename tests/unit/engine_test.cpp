@@ -834,6 +834,36 @@ TEST(EngineSpuriousTimeout, UndoneWhenTheOriginalsArrive) {
   }
 }
 
+// Karn's rule: an ACK of a resend is no RTT sample, and it must not undo
+// the timer's backoff either. A peer whose answers come 3 ms late (a
+// descheduled host, a queue), on a connection whose RTT estimate is a few
+// microseconds: the first message times out, twice; the timer then stays
+// backed off, so that the next message's original is acknowledged before
+// it fires and its sample teaches the estimate. Reset on every ACK, each
+// message would time out twice, and the retries could run out.
+TEST(EngineTimeout, AnAckOfAResendKeepsTheTimerBackedOff) {
+  EngineConfig base;
+  base.paths = 1;
+  Pair p(Mode::stellar, ChannelFaults{}, 19, base);
+  std::vector<uint8_t> target(1024), source = pattern(target.size(), 5);
+  const uint32_t rkey = p.memory_b.add(target.data(), target.size(), access_remote_write);
+  auto write = [&](uint64_t id) {
+    SendWork w = make_work(WorkOpcode::rdma_write, id, source.data(), uint32_t(source.size()));
+    w.remote_addr = reinterpret_cast<uint64_t>(target.data());
+    w.rkey = rkey;
+    ASSERT_EQ(p.a->post_send(w, p.now), PostResult::ok);
+    ASSERT_TRUE(p.run([&] { return p.cq_a.sends.size() == id; }));
+    ASSERT_EQ(p.cq_a.sends.back().status, CompletionStatus::success);
+  };
+  for (uint64_t id = 1; id <= 20; ++id) write(id);
+  ASSERT_EQ(p.a->counters().timeouts, 0u);
+  p.b_to_a.paths = {PathFault{}};
+  p.b_to_a.paths[0].extra_ns = 3'000'000;
+  for (uint64_t id = 21; id <= 60; ++id) write(id);
+  EXPECT_EQ(target, source);
+  EXPECT_LE(p.a->counters().timeouts, 4u) << "40 WRITEs answered 3 ms late";
+}
+
 // Found by perftest's send_bw sweep under 1% loss (about one run in 70 on
 // loopback): the first packet of a 256-packet SEND is lost, and so is its
 // retransmission. A SACK reaches 64 PSNs past the cumulative ACK, so the
@@ -1446,6 +1476,87 @@ TEST(EngineMultipath, AdaptivePoliciesAvoidASlowOrLossyPath) {
 // receiver echoes the marks with the path (Header::ce_count); the adaptive
 // policies then send that path under half its fair share, and nothing is
 // lost, resent or retired for it (marks mean a queue, not a failure).
+// Each direction of a path hashes onto a route of its own: here two paths
+// of four are dead on the way back only. Their requests arrive, their ACKs
+// do not. Single-packet WRITEs, one at a time, so that a lost ACK leaves
+// nothing later to cover it: the tail probe must go where a round trip
+// worked (not to another path that may be dead on the way back), and the
+// responder, seeing the duplicate, must answer on a path whose way back
+// the requester confirmed. Then not one WRITE waits for the timeout.
+TEST(EngineMultipath, APathDeadOnTheWayBackCostsNoTimeout) {
+  EngineConfig base;
+  base.paths = 4;
+  base.path_policy = PathPolicy::oblivious;
+  Pair p(Mode::stellar, ChannelFaults{}, 43, base);
+  p.a_to_b.paths = p.b_to_a.paths = std::vector<PathFault>(4);
+  p.b_to_a.paths[1].dead = p.b_to_a.paths[2].dead = true;
+  std::vector<uint8_t> target(1024), source = pattern(target.size(), 9);
+  const uint32_t rkey = p.memory_b.add(target.data(), target.size(), access_remote_write);
+  for (uint64_t id = 1; id <= 200; ++id) {
+    SendWork w = make_work(WorkOpcode::rdma_write, id, source.data(), uint32_t(source.size()));
+    w.remote_addr = reinterpret_cast<uint64_t>(target.data());
+    w.rkey = rkey;
+    ASSERT_EQ(p.a->post_send(w, p.now), PostResult::ok);
+    ASSERT_TRUE(p.run([&] { return p.cq_a.sends.size() == id; })) << "WRITE " << id;
+    ASSERT_EQ(p.cq_a.sends.back().status, CompletionStatus::success) << "WRITE " << id;
+  }
+  EXPECT_EQ(target, source);
+  EXPECT_GT(p.a->counters().tail_probes, 0u) << "ACKs were lost: the probes recovered them";
+  EXPECT_EQ(p.a->counters().timeouts, 0u);
+}
+
+// Paths 0 and 1 die and stay dead while 64 KiB WRITEs go out every 5 ms
+// for most of a second: their probes fail again and again, so they are
+// retired for longer and longer (up to half a second). Then paths 2 and 3
+// die as well, mid-WRITE, and after a few timeouts path 3 comes back. With
+// every path retired, the resends after each timeout must go round all of
+// them, not swing between the two that failed first (a retired path that
+// fails again keeps its first failure time) and stay dead: the retries
+// would run out on a connection with a working path.
+TEST(EngineMultipath, WithEveryPathRetiredTheResendsTryEachPathInTurn) {
+  EngineConfig base;
+  base.paths = 4;
+  base.path_policy = PathPolicy::oblivious;
+  ChannelFaults f;
+  f.spacing_ns = 1'000;
+  Pair p(Mode::stellar, f, 47, base);
+  p.a_to_b.paths = p.b_to_a.paths = std::vector<PathFault>(4);
+  auto kill = [&](uint16_t path, bool dead) { p.a_to_b.paths[path].dead = p.b_to_a.paths[path].dead = dead; };
+  std::vector<uint8_t> target(64 * 1024), source = pattern(target.size(), 11);
+  const uint32_t rkey = p.memory_b.add(target.data(), target.size(), access_remote_write);
+  auto post = [&](uint64_t id) {
+    SendWork w = make_work(WorkOpcode::rdma_write, id, source.data(), uint32_t(source.size()));
+    w.remote_addr = reinterpret_cast<uint64_t>(target.data());
+    w.rkey = rkey;
+    return p.a->post_send(w, p.now) == PostResult::ok;
+  };
+  const auto retired = [&](uint16_t path) {
+    PathInfo info;
+    return p.a->path_info(path, info) && info.retired;
+  };
+  kill(0, true);
+  kill(1, true);
+  uint64_t id = 0;
+  for (; id < 160; ++id) {
+    ASSERT_TRUE(post(id + 1));
+    ASSERT_TRUE(p.run([&] { return p.cq_a.sends.size() == id + 1; }));
+    ASSERT_EQ(p.cq_a.sends.back().status, CompletionStatus::success);
+    p.now += 5'000'000;
+  }
+  ASSERT_TRUE(retired(0) && retired(1));
+  ASSERT_TRUE(post(++id));
+  ASSERT_TRUE(p.run([&] { return p.a->counters().tx_packets > 0 && !p.a_to_b.empty(); }));
+  kill(2, true);
+  kill(3, true);
+  const uint64_t timeouts = p.a->counters().timeouts;
+  ASSERT_TRUE(p.run([&] { return p.a->counters().timeouts >= timeouts + 3; }));
+  ASSERT_TRUE(retired(2) && retired(3));
+  kill(3, false);
+  ASSERT_TRUE(p.run([&] { return p.cq_a.sends.size() == id; }));
+  EXPECT_EQ(p.cq_a.sends.back().status, CompletionStatus::success) << to_string(p.cq_a.sends.back().status);
+  EXPECT_TRUE(target == source);
+}
+
 TEST(EngineMultipath, AdaptivePoliciesAvoidAPathThatMarksCongestion) {
   std::vector<PathFault> faults(4);
   faults[3].mark = 1.0;

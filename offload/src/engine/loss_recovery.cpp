@@ -61,7 +61,12 @@ void LossRecovery::on_acknowledgement(uint64_t now, uint64_t rtt, uint64_t bytes
     const uint64_t network = rtt > host_delay ? rtt - host_delay : (rtt ? 1 : 0);
     cc_.on_ack(now, bytes, network);
     consecutive_timeouts_ = 0;
-    rto_ = rto_base();
+    // Karn's rule (RFC 6298, 5.7 and 3): a timer backed off by timeouts
+    // stays backed off until a packet sent only once is acknowledged (a
+    // sample). An ACK of a resend says nothing about the RTT: reset on it,
+    // a peer that answers later than the RTO (a descheduled host) would
+    // see every packet time out, twice, and the retries run out.
+    if (rtt) rto_ = rto_base();
   }
   detect_losses(now);
 }

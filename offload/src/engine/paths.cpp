@@ -26,11 +26,18 @@ PathSet::PathSet(Context& ctx) : ctx_(ctx), paths_(ctx.config.paths), recycled_(
   next_ = uint16_t(random() % paths_.size());
 }
 
-uint16_t PathSet::choose(uint64_t now, int avoid) {
+uint16_t PathSet::choose(uint64_t now, int avoid, bool blind) {
   if (paths_.size() == 1) return 0;
   // A retransmission never probes a retired path: losing it again would
   // cost an RTO at the head of the window. New data probes.
   if (avoid >= 0) retransmitting_ = true;
+  if (blind && avoid >= 0 && round_trip_ >= 0 && round_trip_ != avoid && usable(paths_[size_t(round_trip_)], now)) {
+    retransmitting_ = false;
+    Path& q = paths_[size_t(round_trip_)];
+    if (q.pulls < UINT32_MAX) ++q.pulls;
+    ++total_pulls_;
+    return uint16_t(round_trip_);
+  }
   if (avoid < 0 && burst_left_ > 0 && usable(paths_[current_], now)) {
     --burst_left_;
     return current_;
@@ -89,9 +96,16 @@ uint16_t PathSet::pick_oblivious(uint64_t now, int avoid) {
       return c;
     }
   }
+  // Every path is retired: the one that failed, or was last tried this
+  // way, longest ago. A retired path that fails again keeps its first
+  // failure time (retire() learns nothing from it), so the time it was last
+  // taken here counts too: the choice goes round every path instead of
+  // swinging between two that may both be dead.
+  const auto last_tried = [&](uint16_t c) { return std::max(paths_[c].failed_at, paths_[c].fallback_at); };
   uint16_t best = avoid >= 0 && n > 1 ? uint16_t((avoid + 1) % n) : 0;
   for (uint16_t c = 0; c < n; ++c)
-    if (c != avoid && paths_[c].failed_at < paths_[best].failed_at) best = c;
+    if (c != avoid && last_tried(c) < last_tried(best)) best = c;
+  paths_[best].fallback_at = now;
   return best;
 }
 
@@ -175,8 +189,9 @@ void PathSet::on_acknowledged(uint16_t path, uint64_t now, uint64_t rtt) {
   p.consecutive_losses = 0;
   p.loss -= p.loss >> ewma_shift;
   p.marks -= p.marks >> ewma_shift;
-  // Anything acknowledged proves the path works (both directions: the ACK
-  // came back on the same path index): it is back in use.
+  // Anything acknowledged proves the path's way out works: it is back in
+  // use. (Its way back is the responder's concern, ReplyPaths; and
+  // on_round_trip's, for where retransmissions go.)
   p.retired_until = 0;
   set_probing(p, false);
   p.backoff = 0;
@@ -303,7 +318,10 @@ uint16_t ReplyPaths::choose() {
   if (single_) return 0;
   uint16_t p = latest_request_;
   uint16_t& uses = uses_[p % max_paths];
-  if (uses >= suspect_uses) {
+  if (answer_confirmed_) {
+    answer_confirmed_ = false;
+    p = confirmed_;
+  } else if (uses >= suspect_uses) {
     if (++skipped_ % retry_every == 0) uses = suspect_uses - 4;  // a few more tries: maybe it came back
     else p = confirmed_;
   }

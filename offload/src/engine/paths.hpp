@@ -38,8 +38,14 @@ class PathSet {
 
   uint16_t count() const { return uint16_t(paths_.size()); }
   // The path of the next request packet. `avoid`: a path not to take (the
-  // one a retransmitted packet was lost on); -1 for none.
-  uint16_t choose(uint64_t now, int avoid = -1);
+  // one a retransmitted packet was lost on); -1 for none. `blind`: a
+  // retransmission that a timer (the RTO or the tail probe) sent, with no
+  // evidence of which paths work: it takes the latest path with a round
+  // trip (on_round_trip) when that is usable (not retired), since it must
+  // get through and its ACK back, and a path chosen for its way out alone
+  // may be dead on the way back. (A resend that loss detection asked for
+  // is chosen as any packet: acknowledgements on other paths found it.)
+  uint16_t choose(uint64_t now, int avoid = -1, bool blind = false);
   // The requester's transmit call is over: the next packet starts a new
   // burst (a burst only serves to keep one call's run of packets one GSO
   // message; sparse packets, e.g. one small message per call, each get a
@@ -47,6 +53,16 @@ class PathSet {
   void end_burst() { burst_left_ = 0; }
   // A packet left on `path` (first transmission or not).
   void on_sent(uint16_t path);
+  // The peer's reply (ACK or response) came back on `path` and echoed
+  // `path` as the latest of our packets it received: both directions of
+  // that path worked a moment ago (each direction hashes onto a route of
+  // its own, and an acknowledgement alone proves only the way out).
+  // Retransmissions go there first (see choose). It does not end a
+  // retirement: an acknowledged packet does that (on_acknowledged). Any
+  // value is accepted: one out of range is ignored.
+  void on_round_trip(uint16_t path) {
+    if (path < paths_.size()) round_trip_ = path;
+  }
   // A packet sent on `path` is no longer in flight (acknowledged or lost).
   void on_left_flight(uint16_t path);
   // A packet sent on `path` was acknowledged; `rtt` is its sample (0: none,
@@ -79,13 +95,14 @@ class PathSet {
   // probes, losses, rewards. RTT estimates and in-flight counts stay.
   void forget_routes() {
     for (Path& p : paths_) {
-      p.retired_until = p.failed_at = 0;
+      p.retired_until = p.failed_at = p.fallback_at = 0;
       p.loss = p.marks = p.reward = p.pulls = p.clean_run = 0;
       p.consecutive_losses = p.backoff = 0;
       p.probing = false;
       p.probe_until = 0;
     }
     probing_count_ = 0;
+    round_trip_ = -1;
   }
 
  private:
@@ -93,6 +110,7 @@ class PathSet {
     uint64_t srtt = 0, rttvar = 0, min_rtt = never;
     uint64_t retired_until = 0;  // > now: retired (no packet but a probe after it)
     uint64_t failed_at = 0;      // when it was last retired
+    uint64_t fallback_at = 0;    // when it was last taken with every path retired
     uint32_t inflight = 0;
     uint32_t loss = 0;           // loss rate, EWMA in 1/65536 per packet
     uint32_t marks = 0;          // ECN CE rate, EWMA in 1/65536 per packet
@@ -136,6 +154,7 @@ class PathSet {
   Context& ctx_;
   std::vector<Path> paths_;
   uint16_t current_ = 0;
+  int32_t round_trip_ = -1;           // the latest path with a round trip (on_round_trip); -1: none
   bool retransmitting_ = false;       // choosing for a retransmission: no probes
   uint32_t burst_left_ = 0;
   uint16_t next_ = 0;                 // oblivious / REPS exploration cursor
@@ -168,9 +187,15 @@ class ReplyPaths {
   }
   // A request arrived again (a duplicate): the requester resent it, most
   // likely because our acknowledgement was lost, on the path of our latest
-  // reply: that path is suspect at once.
+  // reply: that path is suspect at once, and the next reply goes on the
+  // latest path the requester echoed (its way back is known to work), not
+  // on the resend's path, whose way back is unknown. If the latest reply
+  // went on that echoed path already, the resend's path is tried instead:
+  // an echo goes stale while nothing of ours arrives.
   void on_duplicate() {
-    if (!single_ && last_ != confirmed_) uses_[last_ % max_paths] = suspect_uses;
+    if (single_ || last_ == confirmed_) return;
+    uses_[last_ % max_paths] = suspect_uses;
+    answer_confirmed_ = true;
   }
   // A packet arrived on `path` marked congestion-experienced (ECN CE).
   void on_congestion_mark(uint16_t path) {
@@ -194,6 +219,7 @@ class ReplyPaths {
   bool single_;
   uint16_t latest_request_ = 0, latest_received_ = 0, confirmed_ = 0, last_ = 0;
   uint16_t skipped_ = 0;
+  bool answer_confirmed_ = false;  // the next reply goes on confirmed_ (on_duplicate)
   uint16_t marked_path_ = 0, marks_ = 0;  // CE marks not yet echoed
   uint16_t uses_[max_paths] = {};
 };

@@ -575,8 +575,9 @@ size_t Requester::transmit(PacketWriter& writer, TxBuffer* buffers, size_t count
     uint32_t run = 1;
     if (sq_[s.wqe].work.opcode == WorkOpcode::rdma_read) run = recovery_.lost_run(psn, read_request_packets(sq_[s.wqe], psn));
     uint32_t used = 0;
-    // Not the path it was lost on.
-    const uint16_t path = paths_.choose(now, s.path);
+    // Not the path it was lost on; after a timer (not marked by loss
+    // detection), where a round trip worked.
+    const uint16_t path = paths_.choose(now, s.path, !(s.flags & slot_reordered));
     if (!build_request(writer, psn, s.wqe, run, path, buffers[n], used)) {
       if (!local_fault_) return n;
       local_fault_ = false;
