@@ -180,10 +180,17 @@ cmd_up() {
   done
   for ((l = 1; l <= nl; l++)); do
     new_ns "$(leaf "$l")"
-    # fib_multipath_hash_policy=1: ECMP hashes the 5-tuple, so UDP flows that
-    # differ only in source port can take different spines.
-    in_ns "$(leaf "$l")" sysctl -qw net.ipv4.ip_forward=1 net.ipv4.fib_multipath_hash_policy=1 \
-      net.ipv4.conf.all.rp_filter=0 net.ipv4.conf.default.rp_filter=0
+    # ECMP hashes the 5-tuple read from each packet, as a switch does, so UDP
+    # flows that differ only in source port can take different spines.
+    # Policy 3 with the 5-tuple's fields (source and destination address,
+    # protocol, source and destination port: 0x37), not policy 1: policy 1
+    # takes a hash the sending kernel already put on the packet when there
+    # is one, and across veths in one kernel there is: a connected UDP
+    # socket's random sk_txhash. Every connected socket would then pick its
+    # spine by that random value, not by its ports (and not as `path`
+    # below predicts), which no switch does.
+    in_ns "$(leaf "$l")" sysctl -qw net.ipv4.ip_forward=1 net.ipv4.fib_multipath_hash_policy=3 \
+      net.ipv4.fib_multipath_hash_fields=0x0037 net.ipv4.conf.all.rp_filter=0 net.ipv4.conf.default.rp_filter=0
     for ((s = 1; s <= ns; s++)); do
       veth "$(leaf "$l")" "to-s$s" "10.$((100 + s)).$l.1" "$(spine "$s")" "to-l$l" "10.$((100 + s)).$l.2"
       ip -n "$(spine "$s")" route add "10.$l.0.0/16" via "10.$((100 + s)).$l.1"
