@@ -784,12 +784,29 @@ bool EngineHost::progress_round_locked(uint64_t now, bool& more) {
     }
     const bool fresh = now - last_poll_ns_ < fresh_poll_ns;
     last_poll_ns_ = now;
-    const int n = socket_.receive_batch(rx_, rx_batch, fresh);
+    // A batch takes whatever is queued, so a WRITE whose packets were all
+    // waiting (the peer sent its window while this side was busy sending
+    // its own) went through receive buffers and was copied. After such a
+    // batch the next receives take one datagram at a time until one starts
+    // a WRITE, whose rest then goes straight into place (probes_left_).
+    const bool probe = probes_left_ > 0;
+    const int n = probe ? socket_.receive_first(rx_) : socket_.receive_batch(rx_, rx_batch, fresh);
     if (n == 0) break;
     work = true;
     ++receive_calls_;
     const int64_t offset = realtime_offset(now);
-    for (int i = 0; i < n; ++i) deliver_datagram(rx_[i], 0, now, arrival_from_stamp(rx_[i].arrival_realtime_ns, offset, now));
+    uint32_t copied = 0;  // datagrams that came while a WRITE was expected: they could have been placed
+    for (int i = 0; i < n; ++i) {
+      if (expecting_) ++copied;
+      deliver_datagram(rx_[i], 0, now, arrival_from_stamp(rx_[i].arrival_realtime_ns, offset, now));
+    }
+    if (probe) {
+      ++probes_;
+      if (expecting_) probes_left_ = probe_budget;  // a WRITE starts: into place next round
+      else --probes_left_;
+      continue;
+    }
+    if (copied) probes_left_ = probe_budget;
     if (n < rx_batch) break;
   }
   // Engines with datagrams due join the scheduler's queue; it decides the

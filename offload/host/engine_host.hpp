@@ -244,6 +244,13 @@ class EngineHost final : public Host {
   // acknowledgement lands one place off and is copied twice), doubled after
   // a batch that came whole.
   uint32_t place_batch_ = max_placed_datagrams;
+  // Receives left that take one datagram (UdpSocket::receive_first) to find
+  // where a WRITE starts before its rest is queued into receive buffers:
+  // probe_budget after a batch copied packets that could have been placed,
+  // or after a probe found a WRITE; each probe that found none spends one.
+  static constexpr uint32_t probe_budget = 8;
+  uint32_t probes_left_ = 0;
+  uint64_t probes_ = 0;
   uint8_t placed_headers_[max_placed][offload::stellar_write_header_bytes];
   uint8_t placed_trailers_[max_placed][4];
   uint8_t* placed_at_[max_placed] = {};

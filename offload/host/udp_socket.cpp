@@ -182,8 +182,22 @@ void UdpSocket::set_gro(bool on) {
   prepared_ = nullptr;  // control buffers change with GRO
 }
 
-int UdpSocket::receive_batch(Datagram* batch, int count, bool fresh) {
-  count = std::min(count, max_batch);
+int UdpSocket::receive_first(Datagram* batch) {
+  prepare_receive(batch, 1);
+  msghdr& h = rx_messages_[0].msg_hdr;
+  h.msg_namelen = sizeof(sockaddr_in);
+  h.msg_controllen = control_bytes;
+  const ssize_t r = ::recvmsg(fd_, &h, MSG_DONTWAIT);
+  if (r < 0) {
+    if (errno == EAGAIN) gro_draining_ = false;
+    return 0;
+  }
+  finish_received(h, unsigned(r), batch[0]);
+  if (batch[0].congestion_mark) metadata_calls_ = ecn_watch_calls;
+  return 1;
+}
+
+void UdpSocket::prepare_receive(Datagram* batch, int count) {
   // Busy-polling calls this millions of times mostly to find nothing: build
   // the headers once per batch array, then reset only what the kernel writes.
   if (prepared_ != batch || prepared_count_ < count) {
@@ -199,6 +213,11 @@ int UdpSocket::receive_batch(Datagram* batch, int count, bool fresh) {
     prepared_ = batch;
     prepared_count_ = count;
   }
+}
+
+int UdpSocket::receive_batch(Datagram* batch, int count, bool fresh) {
+  count = std::min(count, max_batch);
+  prepare_receive(batch, count);
   // Sparse (ping-pong): one message per call, so only the first is reset.
   for (int i = 0, used = sparse_ ? 1 : count; i < used; ++i) {
     msghdr& h = rx_messages_[size_t(i)].msg_hdr;

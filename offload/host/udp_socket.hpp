@@ -132,6 +132,11 @@ class UdpSocket {
   // seen every call does for a while (ecn_watch_calls). Never while GRO is
   // on or draining (a coalesced datagram needs its segment size).
   int receive_batch(Datagram* batch, int count, bool fresh = false);
+  // Receives at most one datagram into batch[0] (recvmsg, with its control
+  // messages), leaving the heuristics above as they were: a probe that
+  // lets the caller look at the first datagram before deciding where the
+  // next ones go (EngineHost's direct placement). 1 if one came, else 0.
+  int receive_first(Datagram* batch);
   // 32: one sparse datagram in 32 pays recvmsg's extra ~0.5 us on this
   // path (at 8 it was one in 8, a visible share of a ping-pong's median);
   // a marking queue is still noticed within ~32 polls, tens of microseconds.
@@ -168,6 +173,7 @@ class UdpSocket {
   std::vector<struct mmsghdr> rx_messages_;  // receive side: built once, see receive_batch
   std::vector<struct iovec> rx_iovecs_;
   std::vector<char> rx_controls_;
+  void prepare_receive(Datagram* batch, int count);
   const Datagram* prepared_ = nullptr;  // batch the receive headers were built for
   int prepared_count_ = 0;
   bool sparse_ = false;  // the last receive found at most one datagram
