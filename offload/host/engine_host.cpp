@@ -561,6 +561,18 @@ void EngineHost::note_expectation(Engine& e) {
   }
 }
 
+// Whether at least two of the packets still expected are ones
+// receive_into_place would lay out: middle packets (a full MTU before the
+// message's last). Probing costs a system call or two a message; for a
+// message with a single middle left (a 128 KiB one at loopback's 61440
+// bytes) it measured slower than the copy it saves (a two-rank 256 KiB
+// allreduce, 2.92-3.04 GB/s against 3.14-3.26 without probes).
+bool EngineHost::expecting_middle() const {
+  if (!expecting_) return false;
+  off::QpEngine::ExpectedWrite w;
+  return expecting_->engine.expected_write(w) && uint64_t(w.offset) + 2ull * expecting_->engine.config().mtu < w.message_length;
+}
+
 EngineHost::Placed EngineHost::receive_into_place(uint64_t now, int& taken) {
   taken = 0;
   Engine& e = *expecting_;
@@ -795,14 +807,14 @@ bool EngineHost::progress_round_locked(uint64_t now, bool& more) {
     work = true;
     ++receive_calls_;
     const int64_t offset = realtime_offset(now);
-    uint32_t copied = 0;  // datagrams that came while a WRITE was expected: they could have been placed
+    uint32_t copied = 0;  // datagrams that came while a middle packet was expected: they could have been placed
     for (int i = 0; i < n; ++i) {
-      if (expecting_) ++copied;
+      if (expecting_middle()) ++copied;
       deliver_datagram(rx_[i], 0, now, arrival_from_stamp(rx_[i].arrival_realtime_ns, offset, now));
     }
     if (probe) {
       ++probes_;
-      if (expecting_) probes_left_ = probe_budget;  // a WRITE starts: into place next round
+      if (expecting_middle()) probes_left_ = probe_budget;  // a WRITE starts: into place next round
       else --probes_left_;
       continue;
     }

@@ -250,6 +250,7 @@ class EngineHost final : public Host {
   // or after a probe found a WRITE; each probe that found none spends one.
   static constexpr uint32_t probe_budget = 8;
   uint32_t probes_left_ = 0;
+  bool expecting_middle() const;
   uint64_t probes_ = 0;
   uint8_t placed_headers_[max_placed][offload::stellar_write_header_bytes];
   uint8_t placed_trailers_[max_placed][4];
