@@ -110,11 +110,14 @@ print(f"{'size':>9} | {'busbw GB/s: stellar':>19} {'stellar-shm':>11} {'gloo':>6
 rows = []
 for s in sizes:
     g = lambda t, k: med.get(t, {}).get(s, {}).get(k, float("nan"))
-    ratio = lambda a, b: a / b if b and b == b else float("nan")
+    # Bandwidth ratios from the times (same bytes and ranks: busbw a / busbw b
+    # = time b / time a): busbw is printed to 0.01 GB/s, so a small size's
+    # ratio read off it was nan or a coarse step (Gloo's 4 KiB: 0.00 GB/s).
+    ratio = lambda a, b: g(b, "time") / g(a, "time") if g(a, "time") > 0 else float("nan")
     row = {"bytes": s, **{f"{t}_busbw": g(t, "busbw") for t in tools}, **{f"{t}_time_us": g(t, "time") for t in tools}}
     rows.append(row)
     print(f"{human(s):>9} | {g('stellar','busbw'):19.3f} {g('stellar_shm','busbw'):11.3f} {g('gloo','busbw'):6.3f} {g('mpi_tcp','busbw'):8.3f} {g('mpi_shm','busbw'):8.3f} | "
-          f"{ratio(g('stellar','busbw'), g('gloo','busbw')):7.2f} {ratio(g('stellar','busbw'), g('mpi_tcp','busbw')):10.2f} {ratio(g('stellar_shm','busbw'), g('mpi_shm','busbw')):14.2f} | "
+          f"{ratio('stellar', 'gloo'):7.2f} {ratio('stellar', 'mpi_tcp'):10.2f} {ratio('stellar_shm', 'mpi_shm'):14.2f} | "
           f"{g('stellar','time'):16.1f} {g('gloo','time'):8.1f} {g('mpi_tcp','time'):8.1f}")
 small = med.get("stellar", {}).get(1024, {}).get("time"), med.get("gloo", {}).get(1024, {}).get("time")
 if all(small):
