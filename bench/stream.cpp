@@ -49,6 +49,7 @@ struct Options {
   uint16_t udp_port = 0;        // 0: any (roce mode tries 4791)
   uint32_t wait_client = 60;
   std::string out_json;
+  bool per_path = false;
 };
 
 struct Remote {
@@ -118,6 +119,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--wait_client", o.wait_client, "Server: seconds to wait for a client")->capture_default_str()->check(CLI::Range(1u, 86400u));
   app.add_option("--out_json", o.out_json, "Client: also write the result to this JSON file");
+  app.add_flag("--per_path", o.per_path, "Client: also print each path's counters (QueuePair::path_counters) at the end");
   CLI11_PARSE(app, argc, argv);
   const bool is_server = o.server.empty();
 
@@ -339,6 +341,27 @@ int main(int argc, char** argv) {
               (unsigned long long)c.path_mtu_lowered, double(c.path_mtu_last_ns) / 1e6, (unsigned long long)c.tx_packets,
               (unsigned long long)c.tx_bytes,
               context->local_address().c_str());
+  // Where the packets went: one line a path, for a run that stalled or
+  // lost (which spine dropped, marked or was retired).
+  nlohmann::json per_path = nlohmann::json::array();
+  if (o.per_path) {
+    auto paths = qp->path_counters();
+    if (!paths) {
+      std::printf("# per path: %s\n", paths.status().to_string().c_str());
+    } else {
+      std::printf("# path     sent    acked     lost   marked retired(now) srtt_us min_rtt_us  loss_rate  mark_rate\n");
+      for (const PathCounters& p : *paths) {
+        std::printf("%6u %8llu %8llu %8llu %8llu %4llu(%s) %9.1f %10.1f %10.4f %10.4f\n", unsigned(p.path),
+                    (unsigned long long)p.sent_packets, (unsigned long long)p.acknowledged_packets, (unsigned long long)p.lost_packets,
+                    (unsigned long long)p.marked_packets, (unsigned long long)p.retirements, p.retired ? "yes" : "no",
+                    double(p.srtt_ns) / 1e3, double(p.min_rtt_ns) / 1e3, p.loss_rate, p.mark_rate);
+        per_path.push_back({{"path", p.path}, {"sent", p.sent_packets}, {"acknowledged", p.acknowledged_packets},
+                            {"lost", p.lost_packets}, {"marked", p.marked_packets}, {"retirements", p.retirements},
+                            {"retired", p.retired}, {"srtt_ns", p.srtt_ns}, {"min_rtt_ns", p.min_rtt_ns},
+                            {"loss_rate", p.loss_rate}, {"mark_rate", p.mark_rate}});
+      }
+    }
+  }
   if (!o.out_json.empty()) {
     nlohmann::json j{{"mode", o.mode},
                      {"paths", o.mode == "roce" ? 1 : co.paths},
@@ -360,6 +383,7 @@ int main(int argc, char** argv) {
                      {"address_changes", c.address_changes},
                      {"move_to_ack_ms", double(c.last_address_change_ns) / 1e6},
                      {"local_address", context->local_address()}};
+    if (o.per_path) j["per_path"] = per_path;
     std::ofstream(o.out_json) << j.dump(2) << "\n";
   }
   return 0;

@@ -345,6 +345,23 @@ struct QpModify {
   QpTiming timing{};    // RTR
 };
 
+// One path of a stellar-mode QP (docs/multipath.md): a UDP source port the
+// fabric's ECMP hashes onto a route of its own. Counts are packets since the
+// QP connected; rates are smoothed per packet (0..1). Read with
+// QueuePair::path_counters.
+struct PathCounters {
+  uint16_t path = 0;
+  uint64_t sent_packets = 0;          // request packets this QP sent on the path (WRITE, SEND, READ, atomic), resends included
+  uint64_t acknowledged_packets = 0;  // of those, acknowledged by the peer
+  uint64_t lost_packets = 0;          // declared lost (resent)
+  uint64_t marked_packets = 0;        // echoed by the peer as ECN CE (a queue on the path)
+  uint64_t retirements = 0;           // times taken out of use (losses in a row, a timeout)
+  bool retired = false;               // out of use now, until its probe time
+  uint32_t inflight_packets = 0;      // sent and not yet acknowledged or lost
+  uint64_t srtt_ns = 0, min_rtt_ns = 0;  // 0: no sample yet
+  double loss_rate = 0, mark_rate = 0;
+};
+
 class QueuePair {
  public:
   virtual ~QueuePair() = default;
@@ -358,6 +375,15 @@ class QueuePair {
   virtual Status post_send(const SendWr&) = 0;
   virtual Status post_recv(const RecvWr&) = 0;
   virtual QpEndpoint local_endpoint() const = 0;
+  // Per-path counters of a connected QP (RTR or later), one entry per path
+  // in path order: what a stream did on each route, for diagnosing
+  // multipath (a path that loses, marks or was retired). A snapshot, copied
+  // under the context's lock; thread-safe. The soft provider's in-process
+  // engines only: unsupported in the engine daemon and on the verbs
+  // provider (the NIC keeps no such counters); wrong_state before RTR.
+  virtual Result<std::vector<PathCounters>> path_counters() const {
+    return Status(Errc::unsupported, "path_counters: not available on this provider");
+  }
 };
 
 class MemoryRegion {

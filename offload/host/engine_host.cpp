@@ -362,6 +362,9 @@ bool EngineHost::set_ready_locked(Host::Engine* e, uint64_t wr_id, uint32_t byte
 void EngineHost::enter_error_locked(Host::Engine* e) { own(e)->engine.enter_error(); }
 bool EngineHost::in_error_locked(const Host::Engine* e) const { return own(e)->engine.in_error(); }
 uint32_t EngineHost::outstanding_sends_locked(const Host::Engine* e) const { return own(e)->engine.outstanding_sends(); }
+bool EngineHost::path_info_locked(const Host::Engine* e, uint16_t path, off::PathInfo& out) const {
+  return own(e)->engine.path_info(path, out);
+}
 uint32_t EngineHost::outstanding_receives_locked(const Host::Engine* e) const { return own(e)->engine.outstanding_receives(); }
 
 void EngineHost::posted_locked(Host::Engine* handle, uint64_t now_ns) {

@@ -78,6 +78,8 @@ class EngineHost final : public Host {
   void enter_error_locked(Host::Engine*) override;
   bool in_error_locked(const Host::Engine*) const override;
   uint32_t outstanding_sends_locked(const Host::Engine*) const override;
+  bool path_info_locked(const Host::Engine*, uint16_t path, offload::PathInfo&) const override;
+  bool has_path_info() const override { return true; }
   uint32_t outstanding_receives_locked(const Host::Engine*) const override;
   void posted_locked(Host::Engine*, uint64_t now_ns) override;
 

@@ -192,6 +192,10 @@ class Host {
   // an unsignaled send until a later completion shows it done, as verbs do).
   virtual uint32_t outstanding_sends_locked(const Engine*) const = 0;
   virtual uint32_t outstanding_receives_locked(const Engine*) const = 0;
+  // One path's state (QpEngine::path_info); false past the last path, or
+  // where the placement cannot read the engine (the daemon's).
+  virtual bool path_info_locked(const Engine*, uint16_t /*path*/, offload::PathInfo&) const { return false; }
+  virtual bool has_path_info() const { return false; }
   // Work was posted to `engine`: inline progress transmits it now, the
   // engine thread or the daemon is woken.
   virtual void posted_locked(Engine*, uint64_t now_ns) = 0;

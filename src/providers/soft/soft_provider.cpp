@@ -888,6 +888,33 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
     }
   }
 
+  Result<std::vector<PathCounters>> path_counters() const override {
+    SoftContext& c = const_cast<SoftQp*>(this)->context();
+    std::lock_guard lock(c.mutex_);
+    if (!c.host_->has_path_info())
+      return Status(Errc::unsupported, "path_counters: the engine daemon's engines keep their path state to themselves");
+    if (!engine_) return Status(Errc::wrong_state, "path_counters: the QP is not connected (RTR) yet");
+    std::vector<PathCounters> out;
+    off::PathInfo info;
+    for (uint32_t path = 0; path < off::max_paths && c.host_->path_info_locked(engine_, uint16_t(path), info); ++path) {
+      PathCounters p;
+      p.path = uint16_t(path);
+      p.sent_packets = info.sent_packets;
+      p.acknowledged_packets = info.acknowledged_packets;
+      p.lost_packets = info.lost_packets;
+      p.marked_packets = info.marked_packets;
+      p.retirements = info.retirements;
+      p.retired = info.retired;
+      p.inflight_packets = info.inflight_packets;
+      p.srtt_ns = info.srtt_ns;
+      p.min_rtt_ns = info.min_rtt_ns;
+      p.loss_rate = info.loss_rate;
+      p.mark_rate = info.mark_rate;
+      out.push_back(p);
+    }
+    return out;
+  }
+
   QpEndpoint local_endpoint() const override {
     SoftContext& c = const_cast<SoftQp*>(this)->context();
     return QpEndpoint{c.local_address(), c.local_port(), qpn_, psn_,    c.options_.mtu,
