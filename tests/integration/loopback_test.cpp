@@ -833,10 +833,16 @@ TEST(Placement, AWriteStreamIsReceivedStraightIntoPlace) {
 // rounds of two WRITEs sent back to back before b polls: with the probe
 // the middle packets of both are placed (before it, only the first's: a
 // lone datagram came first, then one batch took all of the second), and
-// every byte lands. (In the engine daemon nothing is placed.)
+// every byte lands.
 TEST(Placement, WritesQueuedWholeBeforeThePollAreStillPlaced) {
   Connection c(Mode::stellar);
   ASSERT_TRUE(c.connect_status.ok()) << c.connect_status.to_string();
+  if (c.a->options().progress == ProgressMode::daemon) {
+    // Nothing is placed there (AWriteStreamIsReceivedStraightIntoPlace
+    // checks it), and this pattern stalls the daemon: issue 16's note of
+    // stop 48, "A daemon stall this test found".
+    GTEST_SKIP() << "in-process placement only; this pattern stalls the engine daemon (issue 16, stop 48)";
+  }
   const uint32_t mtu = c.a->options().mtu;
   const size_t bytes = size_t(mtu) * 6;  // each WRITE: a first packet, four middles, a last one
   std::vector<uint8_t> at_b(2 * bytes), from_a(2 * bytes);
@@ -870,11 +876,7 @@ TEST(Placement, WritesQueuedWholeBeforeThePollAreStillPlaced) {
   ASSERT_GE(queued_whole, 6u);
   const ContextCounters k = c.b->counters();
   EXPECT_EQ(k.rx_dropped_malformed, 0u);
-  if (c.b->options().progress == ProgressMode::daemon) {
-    EXPECT_EQ(k.rx_placed, 0u);  // the daemon's engines cannot address this memory
-  } else {
-    EXPECT_GE(k.rx_placed, 8u * (queued_whole - 2)) << "misses " << k.rx_placement_misses;
-  }
+  EXPECT_GE(k.rx_placed, 8u * (queued_whole - 2)) << "misses " << k.rx_placement_misses;
 }
 
 // QueuePair::path_counters: a stellar-mode WRITE stream sprayed over the
