@@ -1557,6 +1557,54 @@ TEST(EngineMultipath, WithEveryPathRetiredTheResendsTryEachPathInTurn) {
   EXPECT_TRUE(target == source);
 }
 
+// A path that was slow once is tried again: path 3 of 4 is 600 us slower
+// during a first WRITE (the others take a few), which teaches two-choices
+// that RTT for it, then heals. Its estimate is never refreshed unless a packet goes there, and
+// with it every comparison is lost; stale (no sample for 8 RTTs, at least
+// 2 ms) it is costed as a fresh path, wins a comparison, and its new RTT
+// earns it a share again of 32 WRITEs sent 1 ms apart.
+TEST(EngineMultipath, APathThatWasSlowOnceIsTriedAgain) {
+  EngineConfig base;
+  base.paths = 4;
+  base.path_policy = PathPolicy::two_choices;
+  base.window_packets = 1024;
+  ChannelFaults f;
+  f.spacing_ns = 100;
+  Pair p(Mode::stellar, f, 53, base);
+  p.a_to_b.paths = p.b_to_a.paths = std::vector<PathFault>(4);
+  p.a_to_b.paths[3].extra_ns = 600'000;
+  // The first WRITE is long enough (4096 packets) that ACKs from the other
+  // paths keep coming while path 3's packets take their time: no tail probe
+  // resends them, and their ACKs are samples.
+  std::vector<uint8_t> target(4096 * 4096), source = pattern(target.size(), 13);
+  const uint32_t rkey = p.memory_b.add(target.data(), target.size(), access_remote_write);
+  auto write = [&](uint64_t id, size_t bytes) {
+    SendWork w = make_work(WorkOpcode::rdma_write, id, source.data(), uint32_t(bytes));
+    w.remote_addr = reinterpret_cast<uint64_t>(target.data());
+    w.rkey = rkey;
+    if (p.a->post_send(w, p.now) != PostResult::ok) return false;
+    return p.run([&] { return p.cq_a.sends.size() == id; }) && p.cq_a.sends.back().status == CompletionStatus::success;
+  };
+  ASSERT_TRUE(write(1, target.size()));
+  PathInfo slow;
+  ASSERT_TRUE(p.a->path_info(3, slow));
+  ASSERT_GT(slow.srtt_ns, 300'000u) << "the first WRITE sampled the slow path";
+  p.a_to_b.paths[3].extra_ns = 0;
+  p.a_to_b.sent_per_path.clear();
+  for (uint64_t id = 2; id <= 33; ++id) {
+    p.now += 1'000'000;
+    ASSERT_TRUE(write(id, 64 * 4096)) << "WRITE " << id;
+  }
+  EXPECT_EQ(target, source);
+  uint64_t total = 0;
+  for (auto [path, n] : p.a_to_b.sent_per_path) total += n;
+  const uint64_t on_3 = p.a_to_b.sent_per_path.count(3) ? p.a_to_b.sent_per_path.at(3) : 0;
+  EXPECT_GT(double(on_3), 0.1 * double(total)) << on_3 << " of " << total << " packets on the healed path";
+  PathInfo healed;
+  ASSERT_TRUE(p.a->path_info(3, healed));
+  EXPECT_LT(healed.srtt_ns, 100'000u);
+}
+
 TEST(EngineMultipath, AdaptivePoliciesAvoidAPathThatMarksCongestion) {
   std::vector<PathFault> faults(4);
   faults[3].mark = 1.0;

@@ -108,6 +108,7 @@ class PathSet {
  private:
   struct Path {
     uint64_t srtt = 0, rttvar = 0, min_rtt = never;
+    uint64_t sampled_at = 0;     // when the last RTT sample came (0: never)
     uint64_t retired_until = 0;  // > now: retired (no packet but a probe after it)
     uint64_t failed_at = 0;      // when it was last retired
     uint64_t fallback_at = 0;    // when it was last taken with every path retired
@@ -141,7 +142,7 @@ class PathSet {
   uint16_t pick_reps(uint64_t now, int avoid);
   uint16_t pick_two_choices(uint64_t now, int avoid);
   uint16_t pick_bandit(uint64_t now, int avoid);
-  uint64_t cost(const Path& p) const;
+  uint64_t cost(const Path& p, uint64_t now) const;
   bool worse_than_others(uint16_t path) const;
   void retire(uint16_t path, uint64_t now);
   uint64_t random() {  // xorshift64*
