@@ -65,6 +65,7 @@ struct EngineHost::Engine final : Host::Engine {
   uint64_t key = 0;                   // pkey << 32 | qpn
   FlowScheduler::Flow flow = 0;       // its place in the flow scheduler
   uint8_t tos = 0;                    // IP TOS byte of its packets (DSCP << 2 | ECN); 0: the socket's
+  bool deferred_listed = false;       // in EngineHost::deferred_
   // Path validation of a new peer address (stellar mode): the address its
   // packets now come from, the challenge sent there, and what arrived from
   // it meanwhile (replayed into the engine once the peer echoes the
@@ -302,6 +303,9 @@ Host::Engine* EngineHost::attach_locked(const off::EngineConfig& config, const s
   const sockaddr_in& local = socket_.local();
   off::EngineConfig c = config;
   c.tx_addresses = off::IcrcAddresses{local.sin_addr.s_addr, peer.sin_addr.s_addr, ntohs(local.sin_port), ntohs(peer.sin_port)};
+  // The acknowledgement a request carries is taken after this side's reply
+  // left, not on the way to it (note_deferred, settle_deferred).
+  c.defer_piggybacked_acks = true;
   auto e = std::make_unique<Engine>(c, memory, sink);
   e->peer = peer;
   e->rx_addresses = off::IcrcAddresses{peer.sin_addr.s_addr, local.sin_addr.s_addr, ntohs(peer.sin_port), ntohs(local.sin_port)};
@@ -345,6 +349,8 @@ void EngineHost::detach_locked(Host::Engine* handle) {
   sched().remove(e->flow);
   flow_engines_[e->flow] = nullptr;
   if (expecting_ == e) expecting_ = nullptr;
+  if (e->deferred_listed)
+    std::erase_if(deferred_, [e](const Deferred& d) { return d.engine == e; });
   if (e->sizing.role != Engine::Sizing::Role::none) --sizing_engines_;
   engines_.erase(e->key);
 }
@@ -381,6 +387,27 @@ void EngineHost::posted_locked(Host::Engine* handle, uint64_t now_ns) {
   }
   bool more = false;
   serve_locked(now_ns, more);
+  // The reply is out: what the last request carried can be taken now.
+  if (!deferred_.empty()) settle_deferred(UINT64_MAX);
+}
+
+void EngineHost::note_deferred(Engine& e) {
+  if (e.deferred_listed || !e.engine.acknowledgement_deferred()) return;
+  e.deferred_listed = true;
+  deferred_.push_back(Deferred{&e, progress_calls_});
+}
+
+void EngineHost::settle_deferred(uint64_t before_call) {
+  size_t kept = 0;
+  for (const Deferred& d : deferred_) {
+    if (d.call >= before_call) {
+      deferred_[kept++] = d;
+      continue;
+    }
+    d.engine->deferred_listed = false;
+    d.engine->engine.settle_acknowledgement();
+  }
+  deferred_.resize(kept);
 }
 
 size_t EngineHost::flush_engine(Engine& e, uint64_t now_ns) {
@@ -467,9 +494,17 @@ bool EngineHost::progress_locked(uint64_t now) {
   // leaving the rest until the next packet or call arrives (an application
   // asleep in epoll would otherwise stall the READ until the peer's RTO).
   bool work = false, more = true;
+  ++progress_calls_;
   for (int round = 0; more && round < 64; ++round) {
     more = false;
     work = progress_round_locked(now, more) || work;
+  }
+  // Acknowledgements put off in an earlier call: the application had its
+  // turn to reply (posted_locked takes them sooner when it did). Taking
+  // them may complete sends, and the timers they stop ask for no round.
+  if (!deferred_.empty()) {
+    settle_deferred(progress_calls_);
+    work = true;
   }
   return work;
 }
@@ -525,10 +560,12 @@ void EngineHost::deliver_datagram(const Datagram& d, uint32_t from_byte, uint64_
       // engine takes (the token checked) acknowledges the decision.
       const uint64_t taken = e.engine.counters().rx_packets;
       e.engine.receive(data, length, e.rx_addresses, now, arrival, d.congestion_mark);
+      note_deferred(e);
       if (e.engine.counters().rx_packets != taken) finish_sizing(e, now);
       continue;
     }
     e.engine.receive(data, length, e.rx_addresses, now, arrival, d.congestion_mark);
+    note_deferred(e);
     if (options_.mode == off::Mode::stellar && off::opcode_is_write(data[2])) note_expectation(e);
   }
 }
@@ -748,6 +785,7 @@ EngineHost::Placed EngineHost::receive_into_place(uint64_t now, int& taken) {
       const uint64_t taken_before = e.engine.counters().rx_packets;  // counts packets whose token checked out
       e.engine.receive_placed(placed_headers_[m], header, placed_at_[m], mtu, placed_trailers_[m], e.rx_addresses, now,
                               arrival, d.congestion_mark);
+      note_deferred(e);
       // Refused (a bad CRC, a wrong token): not this connection's bytes,
       // zeroed. (Nothing else wrote here yet: a packet bound for this slot
       // from an earlier one would have made this one `other`.) Taken, or a
@@ -763,6 +801,7 @@ EngineHost::Placed EngineHost::receive_into_place(uint64_t now, int& taken) {
       const uint32_t i = base + k;
       e.engine.receive_placed(placed_headers_[i], header, placed_at_[i], mtu, placed_trailers_[i], e.rx_addresses, now,
                               arrival, d.congestion_mark);
+      note_deferred(e);
       // Refused (a bad CRC, a wrong token: not this connection's bytes):
       // still awaited, and zeroed as after a miss.
       if (e.engine.awaiting(w.psn + i)) std::memset(placed_at_[i], 0, mtu);
@@ -1395,6 +1434,7 @@ std::optional<std::string> EngineHost::rebind_locked(const std::string& address,
 }
 
 void EngineHost::flush_acknowledgements_locked(uint64_t now) {
+  settle_deferred(UINT64_MAX);  // ours: the sends they complete
   // Acknowledgements only, at once (they are the peer's, and tiny); data
   // that is due leaves in the scheduler's order and within its buckets.
   for (auto& [key, e] : engines_) {
@@ -1411,6 +1451,7 @@ void EngineHost::flush_acknowledgements_locked(uint64_t now) {
 }
 
 uint64_t EngineHost::next_wakeup_locked(uint64_t now) {
+  if (!deferred_.empty()) return now;  // never asleep on a deferred acknowledgement: the next progress call takes it
   uint64_t t = client_.next_wakeup_locked(now);
   auto held = hold_scheduler();
   for (auto& [key, e] : engines_) {

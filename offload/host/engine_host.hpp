@@ -240,6 +240,19 @@ class EngineHost final : public Host {
   uint64_t malformed_ = 0, unknown_qp_ = 0, send_errors_ = 0, receive_calls_ = 0, coalesced_ = 0;
   uint64_t placed_ = 0, placement_misses_ = 0;
   Engine* expecting_ = nullptr;  // direct placement: whose WRITE the next datagrams likely continue
+  // Engines holding an acknowledgement they put off (EngineConfig::
+  // defer_piggybacked_acks), each with the progress call that took it
+  // (progress_calls_ then): taken once the reply it made way for is sent
+  // (posted_locked), at the end of a later progress call, or before the
+  // host sleeps or flushes.
+  struct Deferred {
+    Engine* engine;
+    uint64_t call;
+  };
+  std::vector<Deferred> deferred_;
+  uint64_t progress_calls_ = 0;
+  void note_deferred(Engine& e);
+  void settle_deferred(uint64_t before_call);  // those taken in calls before this one
   bool placing_coalesced_ = false;  // the last receive into place found GRO's runs: lay out one datagram
   // Datagrams the next receive into place lays out when not coalesced:
   // halved after a batch with a miss (every datagram after a loss or an

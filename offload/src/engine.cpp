@@ -39,6 +39,21 @@ struct QpEngine::State final : detail::ErrorHandler {
   detail::Responder responder;
   detail::PacketWriter writer;
   bool held = false;  // hold_requests
+  // EngineConfig::defer_piggybacked_acks: the acknowledgement a request
+  // carried, not taken yet (with the time it arrived and its host delay).
+  struct DeferredAck {
+    bool valid = false;
+    uint16_t sack_offset = 0;
+    uint32_t psn = 0;
+    uint64_t sack_bitmap = 0, now = 0, host_delay = 0;
+  } deferred;
+
+  void settle() {
+    if (!deferred.valid) return;
+    deferred.valid = false;
+    if (ctx.error) return;
+    requester.on_piggybacked_ack(deferred.psn, deferred.sack_bitmap, deferred.sack_offset, deferred.now, deferred.host_delay);
+  }
 
   State(const EngineConfig& c, MemoryAccess& m, CompletionSink& s)
       : ctx(c, m, s, *this),
@@ -59,6 +74,7 @@ struct QpEngine::State final : detail::ErrorHandler {
   // The QP enters ERROR (verbs): everything posted completes, sends first,
   // flushed; nothing more is sent, retransmitted or acknowledged.
   void enter_error() override {
+    deferred.valid = false;
     if (ctx.error) return;
     ctx.error = true;
     requester.flush();
@@ -82,8 +98,16 @@ QpEngine::~QpEngine() = default;
 
 PostResult QpEngine::post_send(const SendWork& work, uint64_t now_ns) {
   (void)now_ns;
-  return s_->requester.post_send(work);
+  PostResult r = s_->requester.post_send(work);
+  if (r == PostResult::queue_full && s_->deferred.valid) {
+    s_->settle();  // it may complete sends and make room
+    r = s_->requester.post_send(work);
+  }
+  return r;
 }
+
+void QpEngine::settle_acknowledgement() { s_->settle(); }
+bool QpEngine::acknowledgement_deferred() const { return s_->deferred.valid; }
 
 PostResult QpEngine::post_receive(const ReceiveWork& work) { return s_->responder.post_receive(work); }
 
@@ -177,9 +201,16 @@ void QpEngine::receive_decoded(const Header& h, uint64_t now_ns, uint64_t arriva
   // Host delay on both ends: this packet waited (now - arrival) for us to
   // poll; the peer held what it acknowledges for ack_delay_ns.
   const uint64_t host_delay = (now_ns - arrival) + (stellar && h.has_ack ? h.ack_delay_ns : 0);
+  // Acknowledgements are taken in the order they came: one put off goes first.
+  s.settle();
+  if (s.ctx.error) return;
   if (stellar && h.has_ack) {
-    s.requester.on_piggybacked_ack(h.ack_psn, h.sack_bitmap, h.sack_offset, now_ns, host_delay);
-    if (s.ctx.error) return;
+    if (s.ctx.config.defer_piggybacked_acks && opcode_is_request(h.opcode)) {
+      s.deferred = State::DeferredAck{true, h.sack_offset, h.ack_psn, h.sack_bitmap, now_ns, host_delay};
+    } else {
+      s.requester.on_piggybacked_ack(h.ack_psn, h.sack_bitmap, h.sack_offset, now_ns, host_delay);
+      if (s.ctx.error) return;
+    }
   }
   if (opcode_is_request(h.opcode)) {
     const uint64_t duplicates = s.ctx.counters.duplicates;
@@ -196,9 +227,20 @@ size_t QpEngine::transmit(TxBuffer* buffers, size_t count, uint64_t now_ns) {
   State& s = *s_;
   s.writer.set_now(now_ns);
   s.cc->on_tick(now_ns);
+  // A deferred acknowledgement is taken before anything it could change:
+  // a timer it would stop, resends of what it acknowledges. New requests
+  // may go first (it only frees window); if they could not, it is taken
+  // and they are tried again.
+  if (s.deferred.valid && (s.recovery.deadline() <= now_ns || s.recovery.has_lost())) s.settle();
   s.requester.on_timers(now_ns);
   size_t n = s.responder.transmit_responses(s.writer, buffers, count);
-  if (!s.ctx.error && !s.held) n += s.requester.transmit(s.writer, buffers + n, count - n, now_ns);
+  if (!s.ctx.error && !s.held) {
+    n += s.requester.transmit(s.writer, buffers + n, count - n, now_ns);
+    if (s.deferred.valid && n < count && s.requester.unsent()) {
+      s.settle();
+      if (!s.ctx.error) n += s.requester.transmit(s.writer, buffers + n, count - n, now_ns);
+    }
+  }
   if (!s.ctx.error) n += s.responder.transmit_ack(s.writer, buffers + n, count - n, now_ns);
   return n;
 }
@@ -217,6 +259,8 @@ bool QpEngine::requests_held() const { return s_->held; }
 void QpEngine::fail_requests(CompletionStatus status) {
   State& s = *s_;
   if (s.ctx.error) return;
+  s.settle();
+  if (s.ctx.error) return;
   s.held = false;
   if (s.requester.outstanding()) s.requester.fail_first(status);
   else s.enter_error();
@@ -224,6 +268,7 @@ void QpEngine::fail_requests(CompletionStatus status) {
 
 bool QpEngine::set_mtu(uint32_t mtu) {
   State& s = *s_;
+  s.settle();
   if (mtu < 256 || mtu > s.ctx.config.mtu || !s.requester.nothing_sent()) return false;
   s.ctx.config.mtu = mtu;
   s.cc->set_mtu_bytes(mtu);
@@ -235,6 +280,7 @@ void QpEngine::acknowledge_now(uint64_t now_ns) { s_->responder.acknowledge_now(
 
 void QpEngine::addresses_changed(uint64_t now_ns) {
   if (s_->ctx.error || s_->ctx.config.mode != Mode::stellar) return;
+  s_->settle();
   s_->paths.forget_routes();
   s_->responder.force_acknowledgement(now_ns);
   s_->recovery.probe_now(now_ns);

@@ -87,6 +87,10 @@ void Pair::pump(QpEngine& e, Channel& out) {
 void Pair::step() {
   pump(*a, a_to_b);
   if (b_alive) pump(*b, b_to_a);
+  if (settle_after_transmit) {
+    a->settle_acknowledgement();
+    if (b_alive) b->settle_acknowledgement();
+  }
   a_to_b.deliver_due(now, [&](const uint8_t* d, size_t n, bool mark) {
     if (b_alive) b->receive(d, n, rx_b, now, 0, mark);
   });

@@ -135,6 +135,9 @@ struct Pair {
   std::vector<std::vector<uint8_t>> buffers;
   std::vector<TxBuffer> tx;
   std::vector<uint8_t> flat;
+  // As EngineHost does with EngineConfig::defer_piggybacked_acks: after each
+  // side transmitted, the acknowledgement it put off is taken.
+  bool settle_after_transmit = false;
 
   // A's send PSN starts just below the wrap (both modes) to exercise it.
   Pair(Mode mode, ChannelFaults faults, uint64_t seed, EngineConfig base = {});

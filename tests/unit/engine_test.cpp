@@ -788,6 +788,98 @@ TEST(EngineAckDelay, HostDelayIsReportedAndLeftOutOfTheCongestionSignal) {
   EXPECT_GT(p.a->congestion_control().window_bytes(), window_before) << "4 us of network delay is below target: the window grows";
 }
 
+// EngineConfig::defer_piggybacked_acks: the acknowledgement a request
+// carries is taken after the data (and, in the host, after the reply is
+// sent). A's WRITE is answered by B's, which carries B's acknowledgement of
+// A's: A takes B's data at once, and completes its own WRITE only when the
+// acknowledgement is settled.
+TEST(EngineDeferredAck, TheDataIsTakenFirstAndTheSendCompletesAtTheSettle) {
+  EngineConfig base;
+  base.defer_piggybacked_acks = true;
+  Pair p(Mode::stellar, ChannelFaults{}, 61, base);
+  std::vector<uint8_t> at_a(64), at_b(64), from_a = pattern(64, 1), from_b = pattern(64, 2);
+  const uint32_t rkey_a = p.memory_a.add(at_a.data(), at_a.size(), access_remote_write);
+  const uint32_t rkey_b = p.memory_b.add(at_b.data(), at_b.size(), access_remote_write);
+  auto send = [&](QpEngine& e, std::vector<uint8_t>& from, std::vector<uint8_t>& to, uint32_t rkey, uint64_t id) {
+    SendWork w = make_work(WorkOpcode::rdma_write, id, from.data(), uint32_t(from.size()));
+    w.remote_addr = reinterpret_cast<uint64_t>(to.data());
+    w.rkey = rkey;
+    ASSERT_EQ(e.post_send(w, p.now), PostResult::ok);
+    ASSERT_EQ(e.transmit(p.tx.data(), 1, p.now), 1u);
+  };
+  auto packet = [&] {
+    std::vector<uint8_t> d(p.tx[0].length);
+    EXPECT_EQ(flatten(p.tx[0], d.data(), d.size()), d.size());
+    return d;
+  };
+  send(*p.a, from_a, at_b, rkey_b, 1);
+  const std::vector<uint8_t> request = packet();
+  p.now += 2'000;
+  p.b->receive(request.data(), request.size(), IcrcAddresses{}, p.now, p.now);
+  EXPECT_EQ(at_b, from_a);
+  send(*p.b, from_b, at_a, rkey_a, 2);  // carries B's acknowledgement of A's WRITE
+  const std::vector<uint8_t> reply = packet();
+  p.now += 2'000;
+  p.a->receive(reply.data(), reply.size(), IcrcAddresses{}, p.now, p.now);
+  EXPECT_EQ(at_a, from_b) << "the data is taken at once";
+  EXPECT_TRUE(p.a->acknowledgement_deferred());
+  EXPECT_TRUE(p.cq_a.sends.empty()) << "the acknowledgement waits";
+  p.now += 500;
+  p.a->settle_acknowledgement();
+  EXPECT_FALSE(p.a->acknowledgement_deferred());
+  ASSERT_EQ(p.cq_a.sends.size(), 1u);
+  EXPECT_EQ(p.cq_a.sends[0].status, CompletionStatus::success);
+  EXPECT_EQ(p.a->smoothed_rtt_ns(), 4'000u) << "the RTT sample is from the arrival, not the settle";
+}
+
+// Whoever settles, or nobody: with WRITEs both ways under loss, reordering
+// and duplication, every byte lands and every WRITE completes, both with
+// the host's settle after each transmit and with none at all (the engine
+// then takes a deferred acknowledgement before a timer, a resend or a
+// blocked window could depend on it, and with the next packet).
+TEST(EngineDeferredAck, BothWaysUnderLossEverythingCompletesWithOrWithoutSettling) {
+  for (bool settle : {true, false}) {
+    EngineConfig base;
+    base.defer_piggybacked_acks = true;
+    base.max_send_wr = 8;
+    ChannelFaults f;
+    f.drop = 0.02, f.reorder = 0.02, f.duplicate = 0.02;
+    Pair p(Mode::stellar, f, 67, base);
+    p.settle_after_transmit = settle;
+    std::vector<uint8_t> at_a(40 * 4096), at_b(40 * 4096), from_a = pattern(at_b.size(), 3), from_b = pattern(at_a.size(), 4);
+    const uint32_t rkey_a = p.memory_a.add(at_a.data(), at_a.size(), access_remote_write);
+    const uint32_t rkey_b = p.memory_b.add(at_b.data(), at_b.size(), access_remote_write);
+    // 200 WRITEs each way of 1 to 40 packets, at most 8 queued per side
+    // (queue_full while acknowledgements wait must settle them).
+    uint64_t posted_a = 0, posted_b = 0;
+    auto post = [&](QpEngine& e, std::vector<uint8_t>& from, std::vector<uint8_t>& to, uint32_t rkey, uint64_t& posted,
+                    size_t done) {
+      while (posted < 200 && posted - done < 8) {
+        // Every WRITE copies from[offset..] to to[offset..]; the last one covers all.
+        const size_t offset = posted == 199 ? 0 : (posted * 7919 * 4096) % from.size();
+        const uint32_t length = posted == 199 ? uint32_t(from.size())
+                                              : uint32_t(std::min<size_t>(from.size() - offset, 1 + (posted * 104729) % (40 * 4096)));
+        SendWork w = make_work(WorkOpcode::rdma_write, posted + 1, from.data() + offset, length);
+        w.remote_addr = reinterpret_cast<uint64_t>(to.data() + offset);
+        w.rkey = rkey;
+        if (e.post_send(w, p.now) != PostResult::ok) break;
+        ++posted;
+      }
+    };
+    const bool all = p.run([&] {
+      post(*p.a, from_a, at_b, rkey_b, posted_a, p.cq_a.sends.size());
+      post(*p.b, from_b, at_a, rkey_a, posted_b, p.cq_b.sends.size());
+      return p.cq_a.sends.size() == 200 && p.cq_b.sends.size() == 200;
+    });
+    ASSERT_TRUE(all) << (settle ? "settled" : "never settled") << ": A " << p.cq_a.sends.size() << ", B " << p.cq_b.sends.size();
+    for (const Completion& c : p.cq_a.sends) EXPECT_EQ(c.status, CompletionStatus::success);
+    for (const Completion& c : p.cq_b.sends) EXPECT_EQ(c.status, CompletionStatus::success);
+    EXPECT_EQ(at_b, from_a);
+    EXPECT_EQ(at_a, from_b);
+    EXPECT_GT(p.a->counters().retransmitted_packets + p.b->counters().retransmitted_packets, 0u) << "there was loss";
+  }
+}
+
 // F-RTO-style undo: a peer that stalls longer than the RTO (but loses
 // nothing) makes the requester time out and collapse its window; when the
 // ACK then covers packets the timeout declared lost but that were never

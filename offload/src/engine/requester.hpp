@@ -34,6 +34,8 @@ class Requester {
   PostResult post_send(const SendWork& work);
   bool set_ready(uint64_t wr_id, uint32_t bytes);
   uint32_t outstanding() const { return sq_count_; }
+  // Posted requests not yet sent once (new PSNs waiting for their turn).
+  bool unsent() const { return send_psn_ != assign_psn_; }
 
   // ---- receive path: the peer's acknowledgements of our requests ----
   // `host_delay`: how much of an RTT sample taken from this packet was spent

@@ -230,6 +230,13 @@ struct EngineConfig {
   // sends a request (docs/wire-format.md, "Path MTU"). The engine only
   // holds requests and takes the size (QpEngine::hold_requests, set_mtu).
   bool size_path = false;
+  // stellar mode: the cumulative ACK and SACK a request packet carries are
+  // taken later, not before its data: at the next settle_acknowledgement()
+  // or whatever call needs them first. A host that calls it after sending
+  // its reply takes that work (about a third of a small message's receive
+  // path) off the way from the data's arrival to the reply's departure.
+  // Off: taken at once (as the unit tests drive the engine).
+  bool defer_piggybacked_acks = false;
 };
 
 // One datagram to send. Small payloads are copied into `data`; large ones
@@ -373,6 +380,15 @@ class QpEngine {
   // The earliest time transmit() could produce something without new input;
   // UINT64_MAX when idle. now_ns or earlier means "call transmit now".
   uint64_t next_wakeup_ns(uint64_t now_ns) const;
+
+  // EngineConfig::defer_piggybacked_acks: takes the acknowledgement a
+  // received request carried and that was put off, if any (completing the
+  // sends it acknowledges). next_wakeup_ns() does not count it (asking for
+  // a round would put the scheduler back on the data's way): a host must
+  // call this before it stops driving the engine (sleeps, or returns to an
+  // application that may wait for a completion). Cheap when there is none.
+  void settle_acknowledgement();
+  bool acknowledgement_deferred() const;
 
   // Makes an acknowledgement held back for piggy-backing due now (the next
   // transmit() sends it). For hosts that are about to stop driving the engine
