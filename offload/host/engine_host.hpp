@@ -185,7 +185,6 @@ class EngineHost final : public Host {
   static constexpr uint32_t max_placed_segments = 64;
   static constexpr uint32_t max_placed_datagrams = uint32_t(UdpSocket::max_scattered_batch);
   static constexpr uint32_t max_placed = max_placed_segments;
-  static constexpr uint32_t placed_batch_mtu = 16384;
   static_assert(3 * max_placed_segments <= uint32_t(UdpSocket::max_scatter) && max_placed_datagrams <= max_placed);
   // Reads the kernel's address notifications (rate-limited by `now`, the
   // round's clock: no clock read of its own); true if any came.

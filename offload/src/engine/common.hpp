@@ -30,6 +30,7 @@ inline constexpr uint32_t atomic_replay_capacity = 32;
 // What follows the payload: roce pad (up to 3) + ICRC (4); stellar CRC-32C (4).
 inline constexpr size_t max_trailer_bytes = 8;
 inline constexpr uint32_t zero_copy_bytes = 1024;    // larger payloads are referenced, not copied, when sent
+inline constexpr uint32_t big_packet_burst = 4;   // packets a path keeps when they are too large to share a GSO message
 
 // PSN arithmetic: 24-bit PSNs in roce mode, 32-bit in stellar mode.
 struct PsnSpace {
@@ -169,9 +170,12 @@ inline Context::Context(const EngineConfig& c, MemoryAccess& m, CompletionSink& 
   config.mtu = std::clamp<uint32_t>(config.mtu, 256, max_payload_bytes);  // a datagram stays under 64 KiB
   config.max_read_responses = std::max<uint32_t>(1, config.max_read_responses);
   config.paths = config.mode == Mode::roce ? 1 : std::clamp<uint16_t>(config.paths, 1, max_paths);
-  // At most one 64 KiB GSO message's worth: with larger packets a burst
-  // would otherwise put several messages on one path.
-  config.path_burst_packets = std::clamp<uint32_t>(config.path_burst_packets, 1, std::max<uint32_t>(1, 65536 / config.mtu));
+  // At most one 64 KiB GSO message's worth, so that one message carries a
+  // burst; packets above 16 KiB (loopback's 61440 bytes) cannot share a GSO
+  // message, but a burst of 4 still leaves in one sendmmsg from one path's
+  // socket, where one packet per path cost a system call each.
+  config.path_burst_packets =
+      std::clamp<uint32_t>(config.path_burst_packets, 1, std::max<uint32_t>(big_packet_burst, 65536 / config.mtu));
   config.max_response_burst = std::max<uint32_t>(1, config.max_response_burst);
   // Bounded by what the responder can hold: early in-order requests and the atomic replay cache.
   config.max_rd_atomic = std::clamp<uint32_t>(config.max_rd_atomic, 1, std::min(pending_capacity, atomic_replay_capacity));

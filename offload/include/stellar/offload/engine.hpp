@@ -214,7 +214,8 @@ struct EngineConfig {
   // max_paths; the host maps path i to one of its source ports. roce mode
   // always uses one. The policy chooses among them; a chosen path is kept
   // for path_burst_packets packets (one GSO message's worth: at most
-  // 65536 / mtu, whatever is asked) before the next choice.
+  // 65536 / mtu, or 4 packets above 16 KiB, whatever is asked) before the
+  // next choice.
   uint16_t paths = 1;
   PathPolicy path_policy = PathPolicy::two_choices;
   uint32_t path_burst_packets = 16;
