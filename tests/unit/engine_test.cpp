@@ -8,6 +8,7 @@
 #include <cstring>
 #include <map>
 #include <optional>
+#include <set>
 #include <tuple>
 
 #include "engine_harness.hpp"
@@ -1492,6 +1493,38 @@ Sprayed spray(uint16_t paths, PathPolicy policy, std::vector<PathFault> faults, 
 }
 
 }  // namespace
+
+// Packets too large to share a 64 KiB GSO message (loopback's 61440 bytes)
+// keep a path for 4 at a time, so that the host sends a transmit call's
+// packets from one path socket in one sendmmsg instead of a system call
+// each; smaller ones keep it for one GSO message's worth (65536 / mtu, or
+// what is asked if that is less). Bursts still spread over the paths.
+TEST(EngineMultipath, LargePacketsKeepAPathForFourAtATime) {
+  for (auto [mtu, burst] : {std::pair<uint32_t, uint32_t>{61440, 4}, {20000, 4}, {8192, 8}, {4096, 16}, {1024, 16}}) {
+    EngineConfig base;
+    base.paths = 8;
+    base.mtu = mtu;
+    Pair p(Mode::stellar, {}, 43, base);
+    EXPECT_EQ(p.a->config().path_burst_packets, burst) << mtu;
+  }
+  EngineConfig base;
+  base.paths = 8;
+  base.mtu = 61440;
+  base.path_policy = PathPolicy::oblivious;
+  Pair p(Mode::stellar, {}, 44, base);
+  std::vector<uint8_t> target(size_t(64) * base.mtu), source = pattern(target.size(), 44);
+  SendWork w = make_work(WorkOpcode::rdma_write, 1, source.data(), uint32_t(source.size()));
+  w.remote_addr = reinterpret_cast<uint64_t>(target.data());
+  w.rkey = p.memory_b.add(target.data(), target.size(), access_remote_write);
+  ASSERT_EQ(p.a->post_send(w, p.now), PostResult::ok);
+  std::set<uint16_t> used;
+  for (int call = 0; call < 8; ++call) {
+    ASSERT_EQ(p.a->transmit(p.tx.data(), 4, p.now), 4u) << "call " << call;
+    for (int i = 1; i < 4; ++i) EXPECT_EQ(p.tx[size_t(i)].path, p.tx[0].path) << "call " << call << " packet " << i;
+    used.insert(p.tx[0].path);
+  }
+  EXPECT_GT(used.size(), 1u) << "every burst went to one path";
+}
 
 // Every path carries part of one connection's traffic, whatever the policy
 // (not evenly: a burst ends with the transmit call that sent it, and REPS
