@@ -6,6 +6,7 @@
 #include <poll.h>
 #include <pthread.h>
 #include <sys/eventfd.h>
+#include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/socket.h>
 #include <time.h>
@@ -197,6 +198,18 @@ EngineHost::~EngineHost() {
   if (netlink_fd_ >= 0) ::close(netlink_fd_);
 }
 
+bool EngineHost::LazyMemory::reset(size_t bytes) {
+  if (data) ::munmap(data, size);
+  data = nullptr;
+  size = 0;
+  if (bytes == 0) return true;
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) return false;
+  data = static_cast<uint8_t*>(p);
+  size = bytes;
+  return true;
+}
+
 std::optional<SocketError> EngineHost::open(const HostOptions& options) {
   options_ = options;
   adaptive_wait_.store(options.adaptive_wait);
@@ -259,11 +272,11 @@ std::optional<SocketError> EngineHost::open(const HostOptions& options) {
   // ECN marks are a path signal in stellar mode (docs/multipath.md); roce
   // mode stays as it was (a RoCE NIC's ECN belongs to DCQCN's CNPs).
   if (options_.mode == off::Mode::stellar) socket_.enable_ecn();
-  rx_memory_.resize(size_t(rx_batch) * rx_capacity);
-  tx_memory_.resize(size_t(tx_batch) * capacity);
-  for (int i = 0; i < rx_batch; ++i) rx_[i] = Datagram{rx_memory_.data() + size_t(i) * rx_capacity, rx_capacity, 0, {}, 0};
+  if (!rx_memory_.reset(size_t(rx_batch) * rx_capacity) || !tx_memory_.reset(size_t(tx_batch) * capacity))
+    return SocketError{false, std::string("no memory for the datagram buffers: ") + std::strerror(errno)};
+  for (int i = 0; i < rx_batch; ++i) rx_[i] = Datagram{rx_memory_.data + size_t(i) * rx_capacity, rx_capacity, 0, {}, 0};
   for (int i = 0; i < tx_batch; ++i) {
-    tx_[i] = off::TxBuffer{tx_memory_.data() + size_t(i) * capacity, capacity, 0};
+    tx_[i] = off::TxBuffer{tx_memory_.data + size_t(i) * capacity, capacity, 0};
     out_[i] = Datagram{tx_[i].data, capacity, 0, {}, 0};
   }
   filter_ = std::make_unique<FaultFilter>(options_.faults, tx_batch, capacity);

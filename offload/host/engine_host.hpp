@@ -228,7 +228,20 @@ class EngineHost final : public Host {
   std::vector<Engine*> flow_engines_;  // by FlowScheduler::Flow
   // Detached engines' counters and waits, by "tenant\0job\0class".
   std::unordered_map<std::string, FlowReport> retired_flows_;
-  std::vector<uint8_t> rx_memory_, tx_memory_;
+  // The receive and send buffers (6 MB at loopback's MTU): anonymous
+  // memory, zero and faulted in a page at a time as datagrams use it. A
+  // zero-filled vector touched every page at open, 4 ms an open on a
+  // guest with dear page faults, most of them pages a ping-pong never uses.
+  struct LazyMemory {
+    uint8_t* data = nullptr;
+    size_t size = 0;
+    LazyMemory() = default;
+    LazyMemory(const LazyMemory&) = delete;
+    LazyMemory& operator=(const LazyMemory&) = delete;
+    ~LazyMemory() { reset(0); }
+    bool reset(size_t bytes);  // false: mmap failed (nothing held)
+  };
+  LazyMemory rx_memory_, tx_memory_;
   Datagram rx_[rx_batch];
   offload::TxBuffer tx_[tx_batch];
   iovec tx_parts_[tx_batch][offload::max_segments + 2];
