@@ -843,6 +843,22 @@ TEST(Placement, WritesQueuedWholeBeforeThePollAreStillPlaced) {
   auto tmr_b = c.pd_b->register_memory(at_b.data(), at_b.size(), access_local_write | access_remote_write).value();
   auto smr_a = c.pd_a->register_memory(from_a.data(), from_a.size(), access_local_write).value();
   uint32_t queued_whole = 0;
+  // A first WRITE with both sides polling settles the connection before
+  // the rounds, in which b does not poll at first. Without it a's first
+  // WRITEs could find the connection unsettled (seen: six timeouts in
+  // round 0's 200 ms, then a window too small for the twelve packets in
+  // every later round).
+  {
+    ASSERT_TRUE(post_write(*c.qp_a, from_a, *smr_a, *tmr_b, 0, bytes).ok());
+    WorkCompletion wc[4];
+    int done = 0;
+    const auto deadline = std::chrono::steady_clock::now() + 10s;
+    while (done < 1 && std::chrono::steady_clock::now() < deadline) {
+      (void)c.cq_b->poll(wc);
+      done += c.cq_a->poll(wc);
+    }
+    ASSERT_EQ(done, 1);
+  }
   for (uint32_t round = 0; round < 8; ++round) {
     const std::vector<uint8_t> next = pattern(2 * bytes, 40 + round);
     std::copy(next.begin(), next.end(), from_a.begin());
