@@ -503,6 +503,9 @@ struct ContextCounters {
   // connection that had work waiting for its sizing waited, in nanoseconds
   // (0: none waited yet).
   uint64_t path_mtu_last_ns = 0;
+  // Soft provider, WaitPolicy::adaptive: times CompletionQueue::wait slept
+  // in the kernel (after spin_time with nothing received or sent).
+  uint64_t wait_sleeps = 0;
 };
 
 class Context : public std::enable_shared_from_this<Context> {
