@@ -42,7 +42,7 @@ enum class ProgressMode {
 const char* to_string(ProgressMode);
 enum class WaitPolicy {
   busy_poll,  // spin: lowest latency, one core per context
-  adaptive,   // spin for spin_time, then sleep in the kernel until a packet or timer
+  adaptive,   // spin for spin_time (soft: without traffic), then sleep in the kernel until a packet or timer
 };
 enum class CongestionControl { automatic, none, dcqcn, swift };  // automatic: dcqcn for roce, swift for stellar
 
@@ -130,7 +130,7 @@ struct ContextOptions {
   // else /run/stellar/engined.sock.
   std::string engined_socket;
   WaitPolicy wait = WaitPolicy::busy_poll;
-  std::chrono::nanoseconds spin_time{50'000};  // adaptive: spin this long before sleeping
+  std::chrono::nanoseconds spin_time{50'000};  // adaptive: spin this long (soft: since the last traffic) before sleeping
   CongestionControl congestion_control = CongestionControl::automatic;
   uint64_t line_rate_bps = 100'000'000'000ull;  // ceiling for rate-based congestion control
   // Swift: queueing delay tolerated above the base RTT before the window
