@@ -170,8 +170,10 @@ stellar_bw() {  # ENV MODE LOSS_PCT -> GB/s (10^9)
   # softirq context, and stop 49 measured the opposite: the adaptive server
   # sleeps after every wake that brings no completion, and a WRITE stream
   # brings none, so the stream ran at 1.25-1.42 GB/s and 1.12-1.25 s/GB
-  # against 2.14-2.20 GB/s and 0.94-0.97 s/GB busy.) TB_SERVER_WAIT=adaptive
-  # gives the old figures.
+  # against 2.14-2.20 GB/s and 0.94-0.97 s/GB busy. Since stop 51 an
+  # adaptive wait spins from the last datagram, and the adaptive server
+  # measured as the busy one: 3.03 and 2.13 GB/s against 2.98 and 2.30.)
+  # TB_SERVER_WAIT=adaptive runs it so.
   local server_wait=()
   [[ $env == tb ]] && server_wait=(--wait "${TB_SERVER_WAIT:-busy}")
   : > "$cpu_log"
