@@ -5,9 +5,11 @@
 #include <linux/rtnetlink.h>
 #include <poll.h>
 #include <pthread.h>
+#include <sched.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/random.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
@@ -1571,6 +1573,22 @@ void EngineHost::sleep_until_work(uint64_t limit_ns, int extra_fd) {
 
 void EngineHost::engine_thread() {
   uint64_t idle_since = monotonic_ns();
+  // Oversubscription. A busy engine thread beside a busy application thread
+  // is two spinning threads a process: two such processes on two CPUs spun
+  // through each other's time slices, and a ping-pong round trip took 4-8
+  // ms (a scheduler slice or two) instead of microseconds. The kernel says
+  // when this thread is preempted (its involuntary context switches, a
+  // system call once a millisecond of idling); from then on, for a while,
+  // an idle round gives the core away (sched_yield, as Open MPI's
+  // yield_when_idle) and so does an empty CQ poll of the application's
+  // (SoftCq::poll). A yield that finds nobody else to run switches nothing
+  // and counts nothing, so the window closes by itself once the CPUs are
+  // free again.
+  uint64_t checked_at = idle_since, involuntary = 0;
+  {
+    rusage u{};
+    if (::getrusage(RUSAGE_THREAD, &u) == 0) involuntary = uint64_t(u.ru_nivcsw);
+  }
   while (running_.load(std::memory_order_relaxed)) {
     bool work;
     {
@@ -1578,6 +1596,14 @@ void EngineHost::engine_thread() {
       work = progress_locked(monotonic_ns());
     }
     const uint64_t now = monotonic_ns();
+    if (!work && now - checked_at >= 1'000'000) {
+      checked_at = now;
+      rusage u{};
+      if (::getrusage(RUSAGE_THREAD, &u) == 0) {
+        if (uint64_t(u.ru_nivcsw) > involuntary) contended_until_.store(now + contention_window_ns, std::memory_order_relaxed);
+        involuntary = uint64_t(u.ru_nivcsw);
+      }
+    }
     if (work) {
       idle_since = now;
     } else if (adaptive_wait_.load(std::memory_order_relaxed) && now - idle_since >= options_.spin_ns) {
@@ -1592,6 +1618,9 @@ void EngineHost::engine_thread() {
         sleep_until_work(now + 10'000'000, -1);
         idle_since = monotonic_ns();
       }
+    } else if (contended(now)) {
+      contention_yields_.fetch_add(1, std::memory_order_relaxed);
+      sched_yield();
     }
   }
 }

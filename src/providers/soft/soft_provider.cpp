@@ -12,6 +12,7 @@
 #include <ifaddrs.h>
 #include <net/if.h>
 #include <poll.h>
+#include <sched.h>
 #include <sys/ioctl.h>
 #include <sys/eventfd.h>
 #include <sys/random.h>
@@ -486,6 +487,7 @@ class SoftContext final : public Context, public host::HostClient {
   ContextOptions options_;
   std::atomic<WaitPolicy> wait_;  // options_.wait, then set_wait_policy()
   std::atomic<uint64_t> wait_sleeps_{0};  // ContextCounters::wait_sleeps
+  std::atomic<uint64_t> contention_yields_{0};  // the application's share of ContextCounters::contention_yields
   std::map<std::string, Tenant> tenants_;
   std::unordered_map<uint64_t, SoftQp*> qps_;  // (pkey << 32 | qpn) -> QP with an engine
   uint64_t memory_generation_ = 1;               // bumped by every deregistration
@@ -1142,7 +1144,18 @@ SoftCq::SoftCq(std::shared_ptr<SoftContext> context, uint32_t entries)
 
 int SoftCq::poll(std::span<WorkCompletion> out) {
   bool work;
-  return poll(out, work);
+  const int n = poll(out, work);
+  // With an engine thread, an application spinning on an empty CQ is the
+  // second busy thread of this process. When the engine thread finds itself
+  // preempted (more busy threads than CPUs, EngineHost::engine_thread), an
+  // empty poll gives the core away too: the thread that would fill this CQ
+  // (ours, or a peer process's) may be waiting for it. Not inside wait(),
+  // which yields on its own.
+  if (n == 0 && context_->options().progress == ProgressMode::thread && context_->host_->contended(monotonic_ns())) {
+    context_->contention_yields_.fetch_add(1, std::memory_order_relaxed);
+    sched_yield();
+  }
+  return n;
 }
 
 int SoftCq::poll(std::span<WorkCompletion> out, bool& work) {
@@ -1360,6 +1373,7 @@ ContextCounters SoftContext::counters() const {
   c.path_mtu_probes = h.path_mtu_probes, c.path_mtu_lowered = h.path_mtu_lowered, c.path_mtu_failed = h.path_mtu_failed;
   c.path_mtu_last_ns = h.path_mtu_last_ns;
   c.wait_sleeps = wait_sleeps_.load(std::memory_order_relaxed);
+  c.contention_yields = contention_yields_.load(std::memory_order_relaxed) + host_->contention_yields();
   return c;
 }
 
