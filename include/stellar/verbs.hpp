@@ -263,10 +263,11 @@ class CompletionQueue {
   virtual ~CompletionQueue() = default;
   // Takes up to out.size() completions, oldest first; never blocks. In
   // inline progress mode this also drives the transport. Returns the count.
-  // Soft provider with an engine thread: an empty poll while that thread is
-  // being preempted (more busy threads than CPUs) yields the core first
+  // Soft provider with the engines on an engine thread or in the daemon: an
+  // empty poll while the CPUs are oversubscribed (the calling thread, or the
+  // engine thread, was preempted lately) yields the core first
   // (sched_yield; ContextCounters::contention_yields), so that spinning on
-  // poll cannot starve the threads that would fill this CQ.
+  // poll cannot starve the threads that would fill this CQ. Never inline.
   virtual int poll(std::span<WorkCompletion> out) = 0;
   // Blocks until at least one completion or `timeout`; uses the context's
   // wait policy. Errc::timeout when nothing arrived.
@@ -510,11 +511,11 @@ struct ContextCounters {
   // Soft provider, WaitPolicy::adaptive: times CompletionQueue::wait slept
   // in the kernel (after spin_time with nothing received or sent).
   uint64_t wait_sleeps = 0;
-  // Soft provider, ProgressMode::thread: times the engine thread, or an
-  // empty CompletionQueue::poll, gave its core away (sched_yield) because
-  // the engine thread had lately been preempted: more busy threads than
-  // CPUs (e.g. two busy-polling processes with an engine thread each on two
-  // CPUs). 0 while the CPUs suffice.
+  // Soft provider, ProgressMode::thread or daemon: times this process's
+  // engine thread, or an empty CompletionQueue::poll, gave its core away
+  // (sched_yield) because it or the engine thread had lately been
+  // preempted: more busy threads than CPUs (e.g. two busy-polling processes
+  // with an engine thread each on two CPUs). 0 while the CPUs suffice.
   uint64_t contention_yields = 0;
 };
 

@@ -9,7 +9,6 @@
 #include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/random.h>
-#include <sys/resource.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
@@ -1576,19 +1575,10 @@ void EngineHost::engine_thread() {
   // Oversubscription. A busy engine thread beside a busy application thread
   // is two spinning threads a process: two such processes on two CPUs spun
   // through each other's time slices, and a ping-pong round trip took 4-8
-  // ms (a scheduler slice or two) instead of microseconds. The kernel says
-  // when this thread is preempted (its involuntary context switches, a
-  // system call once a millisecond of idling); from then on, for a while,
-  // an idle round gives the core away (sched_yield, as Open MPI's
-  // yield_when_idle) and so does an empty CQ poll of the application's
-  // (SoftCq::poll). A yield that finds nobody else to run switches nothing
-  // and counts nothing, so the window closes by itself once the CPUs are
-  // free again.
-  uint64_t checked_at = idle_since, involuntary = 0;
-  {
-    rusage u{};
-    if (::getrusage(RUSAGE_THREAD, &u) == 0) involuntary = uint64_t(u.ru_nivcsw);
-  }
+  // ms (a scheduler slice or two) instead of microseconds. Once this thread
+  // finds itself preempted (ContentionDetector), an idle round gives the
+  // core away (as Open MPI's yield_when_idle), and so does an empty CQ poll
+  // of the application's (SoftCq::poll, through contended()).
   while (running_.load(std::memory_order_relaxed)) {
     bool work;
     {
@@ -1596,14 +1586,6 @@ void EngineHost::engine_thread() {
       work = progress_locked(monotonic_ns());
     }
     const uint64_t now = monotonic_ns();
-    if (!work && now - checked_at >= 1'000'000) {
-      checked_at = now;
-      rusage u{};
-      if (::getrusage(RUSAGE_THREAD, &u) == 0) {
-        if (uint64_t(u.ru_nivcsw) > involuntary) contended_until_.store(now + contention_window_ns, std::memory_order_relaxed);
-        involuntary = uint64_t(u.ru_nivcsw);
-      }
-    }
     if (work) {
       idle_since = now;
     } else if (adaptive_wait_.load(std::memory_order_relaxed) && now - idle_since >= options_.spin_ns) {
@@ -1618,7 +1600,7 @@ void EngineHost::engine_thread() {
         sleep_until_work(now + 10'000'000, -1);
         idle_since = monotonic_ns();
       }
-    } else if (contended(now)) {
+    } else if (contention_.check(now)) {
       contention_yields_.fetch_add(1, std::memory_order_relaxed);
       sched_yield();
     }

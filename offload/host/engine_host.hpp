@@ -34,6 +34,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "host/contention.hpp"
 #include "host/fault_filter.hpp"
 #include "host/host.hpp"
 #include "host/udp_socket.hpp"
@@ -115,11 +116,8 @@ class EngineHost final : public Host {
   }
   // Takes the lock to read the timers.
   void sleep_until_work(uint64_t limit_ns, int extra_fd) override;
-  bool contended(uint64_t now_ns) const override { return now_ns < contended_until_.load(std::memory_order_relaxed); }
+  bool contended(uint64_t now_ns) const override { return contention_.contended(now_ns); }
   uint64_t contention_yields() const override { return contention_yields_.load(std::memory_order_relaxed); }
-  // How long one observed preemption of the engine thread keeps the
-  // process's busy threads yielding (contended()).
-  static constexpr uint64_t contention_window_ns = 50'000'000;
 
  private:
   // One round of progress_locked: receive, then flush what engines have
@@ -254,7 +252,7 @@ class EngineHost final : public Host {
   std::thread thread_;
   std::atomic<bool> running_{false};
   std::atomic<bool> adaptive_wait_{false};  // options_.adaptive_wait, changeable while the thread runs
-  std::atomic<uint64_t> contended_until_{0};   // monotonic ns: see contended()
+  ContentionDetector contention_;  // the engine thread's own preemptions
   std::atomic<uint64_t> contention_yields_{0};
   uint64_t malformed_ = 0, unknown_qp_ = 0, send_errors_ = 0, receive_calls_ = 0, coalesced_ = 0;
   uint64_t placed_ = 0, placement_misses_ = 0;

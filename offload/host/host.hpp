@@ -232,11 +232,10 @@ class Host {
   virtual void kick() = 0;
   // The engine thread's wait from now on (HostOptions::adaptive_wait).
   virtual void set_adaptive_wait(bool) {}
-  // The engine thread was preempted lately (its involuntary context
-  // switches grew within the last contention_window_ns): more threads want
-  // to run than there are CPUs, so busy threads of this process give their
-  // core away when idle instead of spinning through the others' time
-  // slices. Always false without an engine thread. Thread-safe.
+  // The engine thread was preempted lately (ContentionDetector): more
+  // threads want to run than there are CPUs, so busy threads of this
+  // process give their core away when idle instead of spinning through the
+  // others' time slices. Always false without an engine thread. Thread-safe.
   virtual bool contended(uint64_t /*now_ns*/) const { return false; }
   // Times the engine thread gave its core away so (ContextCounters::contention_yields).
   virtual uint64_t contention_yields() const { return 0; }

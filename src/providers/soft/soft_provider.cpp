@@ -36,6 +36,7 @@
 #include "core/providers.hpp"
 #include "core/tenants.hpp"
 #include "gpu/cuda_driver.hpp"
+#include "host/contention.hpp"
 #include "host/engine_host.hpp"
 #include "host/remote_host.hpp"
 #include "providers/soft/gpu_staging.hpp"
@@ -1145,15 +1146,22 @@ SoftCq::SoftCq(std::shared_ptr<SoftContext> context, uint32_t entries)
 int SoftCq::poll(std::span<WorkCompletion> out) {
   bool work;
   const int n = poll(out, work);
-  // With an engine thread, an application spinning on an empty CQ is the
-  // second busy thread of this process. When the engine thread finds itself
-  // preempted (more busy threads than CPUs, EngineHost::engine_thread), an
-  // empty poll gives the core away too: the thread that would fill this CQ
-  // (ours, or a peer process's) may be waiting for it. Not inside wait(),
-  // which yields on its own.
-  if (n == 0 && context_->options().progress == ProgressMode::thread && context_->host_->contended(monotonic_ns())) {
-    context_->contention_yields_.fetch_add(1, std::memory_order_relaxed);
-    sched_yield();
+  // Where the engines run on another thread (ours or the daemon's), an
+  // application spinning on an empty CQ is one more busy thread. When the
+  // CPUs are oversubscribed, an empty poll gives the core away: the thread
+  // that would fill this CQ (an engine, or a peer process) may be waiting
+  // for it. This thread's own preemptions say so, and with the engine
+  // thread also that thread's (EngineHost::engine_thread; the daemon's
+  // threads are out of sight). Not inside wait(), which yields on its own;
+  // never inline, where the caller's poll is the engine.
+  const ProgressMode placement = context_->options().progress;
+  if (n == 0 && placement != ProgressMode::inline_poll) {
+    thread_local host::ContentionDetector caller;
+    const uint64_t now = monotonic_ns();
+    if (caller.check(now) || context_->host_->contended(now)) {
+      context_->contention_yields_.fetch_add(1, std::memory_order_relaxed);
+      sched_yield();
+    }
   }
   return n;
 }
