@@ -18,6 +18,7 @@ namespace stellar::accounting {
 struct CpuSample {
   uint64_t process_ns = 0;  // this process, user + system, every thread
   uint64_t engine_ns = 0;   // ContextCounters::engine_cpu_ns
+  uint64_t yields = 0;      // ContextCounters::contention_yields
 };
 
 inline uint64_t process_cpu_ns() {
@@ -27,7 +28,10 @@ inline uint64_t process_cpu_ns() {
   return ns(u.ru_utime) + ns(u.ru_stime);
 }
 
-inline CpuSample sample(Context& context) { return CpuSample{process_cpu_ns(), context.counters().engine_cpu_ns}; }
+inline CpuSample sample(Context& context) {
+  const ContextCounters c = context.counters();
+  return CpuSample{process_cpu_ns(), c.engine_cpu_ns, c.contention_yields};
+}
 inline CpuSample sample(uint64_t engine_cpu_ns) { return CpuSample{process_cpu_ns(), engine_cpu_ns}; }
 
 // One line, e.g. "# cpu: placement daemon; application 0.012 s = 0.0040 s/GB, 0.31 us/op;
@@ -48,6 +52,10 @@ inline void print(std::FILE* out, ProgressMode placement, const CpuSample& from,
     if (operations > 0) std::fprintf(out, ", %.2f us/op", engine * 1e6 / operations);
     std::fprintf(out, " (%s)", placement == ProgressMode::thread ? "the engine thread, also inside the application's figure"
                                                                   : "stellar-engined, every context it serves");
+    // More busy threads than CPUs: the engine thread and empty CQ polls gave
+    // their cores away (docs/architecture.md, "Soft provider threading").
+    if (to.yields > from.yields)
+      std::fprintf(out, "; CPUs oversubscribed: %llu yields", static_cast<unsigned long long>(to.yields - from.yields));
   }
   std::fprintf(out, "\n");
 }
