@@ -615,16 +615,20 @@ void EngineHost::note_expectation(Engine& e) {
   }
 }
 
-// Whether at least two of the packets still expected are ones
-// receive_into_place would lay out: middle packets (a full MTU before the
-// message's last). Probing costs a system call or two a message; for a
-// message with a single middle left (a 128 KiB one at loopback's 61440
-// bytes) it measured slower than the copy it saves (a two-rank 256 KiB
-// allreduce, 2.92-3.04 GB/s against 3.14-3.26 without probes).
-bool EngineHost::expecting_middle() const {
+// Whether a packet still expected is one receive_into_place would lay out:
+// a full-MTU packet. Probing costs a system call or two a message. When a
+// WRITE's short piece came last, a message with a single middle packet left
+// (a 128 KiB one at loopback's 61440 bytes) measured slower with probes
+// than with the copy they save (a two-rank 256 KiB allreduce, 2.92-3.04
+// GB/s against 3.14-3.26), so probes waited for two. With the short piece
+// first (Requester::packet_span) the one packet left is the whole rest of
+// the message: a two-rank allreduce of 64 KiB, 256 KiB and 1 MiB took
+// 28.0-29.2 / 79-83 / 278-282 us probing for one, against 29.0-32.5 /
+// 80-95 / 274-286 probing for two (four rounds each, interleaved).
+bool EngineHost::expecting_placeable() const {
   if (!expecting_) return false;
   off::QpEngine::ExpectedWrite w;
-  return expecting_->engine.expected_write(w) && uint64_t(w.offset) + 2ull * expecting_->engine.config().mtu < w.message_length;
+  return expecting_->engine.expected_write(w) && uint64_t(w.offset) + expecting_->engine.config().mtu <= w.message_length;
 }
 
 EngineHost::Placed EngineHost::receive_into_place(uint64_t now, int& taken) {
@@ -633,7 +637,7 @@ EngineHost::Placed EngineHost::receive_into_place(uint64_t now, int& taken) {
   off::QpEngine::ExpectedWrite w;
   const uint32_t mtu = e.engine.config().mtu;
   constexpr uint32_t header = off::stellar_write_header_bytes, trailer = 4;  // stellar PSNs are 32 bits: psn + k wraps as they do
-  const uint32_t segment = header + mtu + trailer;
+  const uint32_t segment = header + mtu + trailer;  // a middle packet's datagram
   if (!e.engine.expected_write(w) || rx_[0].capacity < segment) {
     expecting_ = nullptr;
     return Placed::gave_up;
@@ -643,11 +647,15 @@ EngineHost::Placed EngineHost::receive_into_place(uint64_t now, int& taken) {
   // another; else one packet per datagram, up to max_placed_datagrams of
   // them in one recvmmsg (a system call per packet costs more than the
   // copy it saves on a path of 1280- or 8704-byte packets).
-  // Only middle packets (a full MTU, no immediate: a fixed header): the
-  // message's last one may carry an immediate, and goes through d.data.
-  // The engine resolves the first place (the message's whole range, once
-  // per receive); the later ones are that place plus whole MTUs, each for
-  // a packet the engine still awaits.
+  // Only full-MTU packets: the middle ones (a fixed header) and a last one
+  // of a full MTU (a stellar-mode requester puts a WRITE's short piece
+  // first, Requester::packet_span), whose header is laid out with an
+  // immediate when the QP's previous WRITE ended with one (a wrong guess
+  // makes it `other` below: copied, as a short last packet always is). The
+  // last one only one datagram a packet: a GRO run's segments share one
+  // size. The engine resolves the first place (the message's whole range,
+  // once per receive); the later ones are that place plus whole MTUs, each
+  // for a packet the engine still awaits.
   const bool coalesced = placing_coalesced_;
   // Not coalesced: batches of any size. At loopback's 61440 bytes they
   // once measured no better than a datagram a call, but that was while
@@ -660,7 +668,9 @@ EngineHost::Placed EngineHost::receive_into_place(uint64_t now, int& taken) {
   uint8_t* first = nullptr;
   while (expected < limit && (!coalesced || (expected + 1) * segment <= rx_[0].capacity)) {
     const uint64_t offset = uint64_t(w.offset) + uint64_t(expected) * mtu;
-    if (offset + mtu >= w.message_length) break;
+    if (offset + mtu > w.message_length) break;
+    const bool last = offset + mtu == w.message_length;
+    if (last && coalesced) break;
     if (expected == 0) {
       first = e.engine.placement(w.psn, w.rkey, w.remote_addr, w.message_length, w.offset, mtu);
       if (!first) break;
@@ -669,7 +679,8 @@ EngineHost::Placed EngineHost::receive_into_place(uint64_t now, int& taken) {
     }
     uint8_t* place = first + uint64_t(expected) * mtu;
     placed_at_[expected] = place;
-    parts[3 * expected] = {placed_headers_[expected], header};
+    placed_header_bytes_[expected] = last && w.last_with_imm ? placed_header_room : header;
+    parts[3 * expected] = {placed_headers_[expected], placed_header_bytes_[expected]};
     parts[3 * expected + 1] = {place, mtu};
     parts[3 * expected + 2] = {placed_trailers_[expected], trailer};
     ++expected;
@@ -682,7 +693,7 @@ EngineHost::Placed EngineHost::receive_into_place(uint64_t now, int& taken) {
   const uint32_t messages = coalesced ? 1 : expected;
   for (uint32_t m = 0; m < messages; ++m)
     layouts[m] = coalesced ? UdpSocket::ScatterLayout{parts, int(3 * expected), expected * segment}
-                           : UdpSocket::ScatterLayout{parts + 3 * m, 3, segment};
+                           : UdpSocket::ScatterLayout{parts + 3 * m, 3, placed_header_bytes_[m] + mtu + trailer};
   const int n = socket_.receive_scattered_batch(rx_, layouts, int(messages));
   if (n == 0) return Placed::none;
   ++receive_calls_;
@@ -710,9 +721,12 @@ EngineHost::Placed EngineHost::receive_into_place(uint64_t now, int& taken) {
   bool runs = false;       // GRO coalesced some datagram
   bool irregular = false;  // some datagram is longer than its layout
   const auto& config = e.engine.config();
-  auto same_write = [&](const off::WritePlacement& p) {
-    return p.opcode == off::opcode::write_middle && p.dest_qpn == config.local_qpn && p.pkey == config.pkey &&
-           p.rkey == w.rkey && p.remote_addr == w.remote_addr && p.message_length == w.message_length;
+  // A packet of the expected WRITE, of the kind laid out in slot i (its
+  // header's length, checked by peek_write_placement, goes with its opcode).
+  auto same_write = [&](const off::WritePlacement& p, uint32_t i) {
+    const bool last = uint64_t(w.offset) + uint64_t(i + 1) * mtu == w.message_length;
+    return (last ? p.opcode == off::opcode::write_last || p.opcode == off::opcode::write_last_imm : p.opcode == off::opcode::write_middle) && p.dest_qpn == config.local_qpn &&
+           p.pkey == config.pkey && p.rkey == w.rkey && p.remote_addr == w.remote_addr && p.message_length == w.message_length;
   };
   for (int m = 0; m < n; ++m) {
     const Datagram& d = rx_[m];
@@ -723,20 +737,23 @@ EngineHost::Placed EngineHost::receive_into_place(uint64_t now, int& taken) {
     if (d.length > layouts[m].bytes) irregular = true;
     target[m] = UINT32_MAX;
     came[m] = d.length == 0 ? 0 : std::min(laid, (d.length + step - 1) / step);
-    const bool whole = came[m] > 0 && step == segment && came[m] * segment <= d.length && same_address(e.peer, d.peer);
+    const uint32_t laid_segment = coalesced ? segment : layouts[m].bytes;
+    const bool whole = came[m] > 0 && step == laid_segment && came[m] * laid_segment <= d.length && same_address(e.peer, d.peer);
     bool ok = whole;
     off::WritePlacement p;
     for (uint32_t k = 0; ok && k < came[m]; ++k) {
       const uint32_t i = base + k;
-      ok = off::peek_write_placement(placed_headers_[i], header, p) && same_write(p) && p.psn == w.psn + i &&
+      ok = off::peek_write_placement(placed_headers_[i], placed_header_bytes_[i], p) && same_write(p, i) && p.psn == w.psn + i &&
            p.message_offset == w.offset + i * mtu;
     }
     fit[m] = ok ? Fit::in_place : Fit::other;
-    if (ok || coalesced || !whole || d.length != segment || !off::peek_write_placement(placed_headers_[m], header, p) ||
-        !same_write(p))
+    // Displaced: only between middle packets' slots (one header length).
+    if (ok || coalesced || !whole || d.length != segment || placed_header_bytes_[m] != header ||
+        !off::peek_write_placement(placed_headers_[m], header, p) || p.opcode != off::opcode::write_middle || !same_write(p, m))
       continue;
     const uint32_t slot = p.psn - w.psn;  // wraps as PSNs do
-    if (slot < expected && slot != uint32_t(m) && p.message_offset == w.offset + uint64_t(slot) * mtu) {
+    if (slot < expected && slot != uint32_t(m) && placed_header_bytes_[slot] == header && same_write(p, slot) &&
+        p.message_offset == w.offset + uint64_t(slot) * mtu) {
       fit[m] = Fit::displaced;
       target[m] = slot;
     }
@@ -814,8 +831,8 @@ EngineHost::Placed EngineHost::receive_into_place(uint64_t now, int& taken) {
     if (d.segment_size) coalesced_ += (d.length + step - 1) / step;
     for (uint32_t k = 0; k < came[m]; ++k) {
       const uint32_t i = base + k;
-      e.engine.receive_placed(placed_headers_[i], header, placed_at_[i], mtu, placed_trailers_[i], e.rx_addresses, now,
-                              arrival, d.congestion_mark);
+      e.engine.receive_placed(placed_headers_[i], placed_header_bytes_[i], placed_at_[i], mtu, placed_trailers_[i], e.rx_addresses,
+                              now, arrival, d.congestion_mark);
       note_deferred(e);
       // Refused (a bad CRC, a wrong token: not this connection's bytes):
       // still awaited, and zeroed as after a miss.
@@ -864,14 +881,14 @@ bool EngineHost::progress_round_locked(uint64_t now, bool& more) {
     work = true;
     ++receive_calls_;
     const int64_t offset = realtime_offset(now);
-    uint32_t copied = 0;  // datagrams that came while a middle packet was expected: they could have been placed
+    uint32_t copied = 0;  // datagrams that came while a full-MTU packet was expected: they could have been placed
     for (int i = 0; i < n; ++i) {
-      if (expecting_middle()) ++copied;
+      if (expecting_placeable()) ++copied;
       deliver_datagram(rx_[i], 0, now, arrival_from_stamp(rx_[i].arrival_realtime_ns, offset, now));
     }
     if (probe) {
       ++probes_;
-      if (expecting_middle()) probes_left_ = probe_budget;  // a WRITE starts: into place next round
+      if (expecting_placeable()) probes_left_ = probe_budget;  // a WRITE starts: into place next round
       else --probes_left_;
       continue;
     }

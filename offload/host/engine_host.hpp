@@ -282,9 +282,13 @@ class EngineHost final : public Host {
   // or after a probe found a WRITE; each probe that found none spends one.
   static constexpr uint32_t probe_budget = 8;
   uint32_t probes_left_ = 0;
-  bool expecting_middle() const;
+  bool expecting_placeable() const;
   uint64_t probes_ = 0;
-  uint8_t placed_headers_[max_placed][offload::stellar_write_header_bytes];
+  // A laid-out packet's header: a middle packet's, or (the message's last
+  // packet) one with room for an immediate.
+  static constexpr uint32_t placed_header_room = offload::stellar_write_header_bytes + 4;
+  uint8_t placed_headers_[max_placed][placed_header_room];
+  uint32_t placed_header_bytes_[max_placed] = {};
   uint8_t placed_trailers_[max_placed][4];
   uint8_t* placed_at_[max_placed] = {};
   uint64_t migrations_ = 0, path_challenges_ = 0, migrations_rejected_ = 0, migration_dropped_ = 0, rebinds_ = 0;

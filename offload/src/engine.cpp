@@ -132,7 +132,7 @@ void QpEngine::receive(const uint8_t* data, size_t length, const IcrcAddresses& 
 bool QpEngine::expected_write(ExpectedWrite& w) const {
   const detail::Responder::LastWrite& l = s_->responder.last_write();
   if (!s_->ctx.direct || !l.valid || l.next_offset >= l.message_length) return false;
-  w = ExpectedWrite{s_->ctx.add(l.psn, 1), l.rkey, l.message_length, l.next_offset, l.remote_addr};
+  w = ExpectedWrite{s_->ctx.add(l.psn, 1), l.rkey, l.message_length, l.next_offset, l.remote_addr, l.last_with_imm};
   return true;
 }
 

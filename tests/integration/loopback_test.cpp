@@ -802,8 +802,8 @@ TEST(Placement, AWriteStreamIsReceivedStraightIntoPlace) {
       if (off || ctx->options().progress == ProgressMode::daemon) {
         EXPECT_EQ(k.rx_placed, 0u) << "variant " << variant;
       } else {
-        // Only a message's middle packets are placed, and only after the
-        // first of them came through a buffer. At 1280 bytes with faults,
+        // Only a message's packets after its first are placed (the first,
+        // the short piece, comes through a buffer). At 1280 bytes with faults,
         // fewer: loopback hands the sender's GSO runs over whole (GRO), and
         // a run with a lost, duplicated or late packet among its laid-out
         // segments is taken through a buffer as a whole (2% of each, ~49
@@ -898,6 +898,78 @@ TEST(Placement, WritesQueuedWholeBeforeThePollAreStillPlaced) {
     EXPECT_EQ(k.rx_placed, 0u);  // the daemon's engines cannot address this memory
   } else {
     EXPECT_GE(k.rx_placed, 8u * (queued_whole - 2)) << "misses " << k.rx_placement_misses;
+  }
+}
+
+// A WRITE of an MTU and a piece (64 KiB at loopback's 61440 bytes, an
+// allreduce's step): its short piece goes first, and the full last packet
+// goes straight into place, with an immediate (its header laid out for
+// one after a WRITE that had one) and without. 40 rounds of each, b
+// answering every WRITE so that a's next one finds b polling: every byte
+// lands, every immediate comes, and most last packets are placed (before
+// the short piece went first, none of a two-packet WRITE was).
+TEST(Placement, TheFullLastPacketOfAShortFirstWriteIsPlaced) {
+  Connection c(Mode::stellar);
+  ASSERT_TRUE(c.connect_status.ok()) << c.connect_status.to_string();
+  const uint32_t mtu = c.a->options().mtu;
+  const size_t bytes = size_t(mtu) + 4096;
+  std::vector<uint8_t> at_b(bytes), from_a(bytes), at_a(8), from_b(8, 3);
+  auto tmr_b = c.pd_b->register_memory(at_b.data(), bytes, access_local_write | access_remote_write).value();
+  auto smr_a = c.pd_a->register_memory(from_a.data(), bytes, access_local_write).value();
+  auto tmr_a = c.pd_a->register_memory(at_a.data(), 8, access_local_write | access_remote_write).value();
+  auto smr_b = c.pd_b->register_memory(from_b.data(), 8, access_local_write).value();
+  constexpr int rounds = 40;
+  uint64_t placed_before = 0;
+  for (const bool imm : {true, false}) {
+    placed_before = c.b->counters().rx_placed;
+    for (int round = 0; round < rounds; ++round) {
+      const std::vector<uint8_t> next = pattern(bytes, 60 + round + (imm ? 0 : rounds));
+      std::copy(next.begin(), next.end(), from_a.begin());
+      if (imm) ASSERT_TRUE(c.qp_b->post_recv(RecvWr{uint64_t(round), {}}).ok());
+      Sge s{smr_a->addr(), uint32_t(bytes), smr_a->lkey()};
+      SendWr wr;
+      wr.opcode = imm ? WrOpcode::rdma_write_with_imm : WrOpcode::rdma_write;
+      wr.sg_list = {&s, 1};
+      wr.remote_addr = tmr_b->addr();
+      wr.rkey = tmr_b->rkey();
+      wr.imm_data = uint32_t(round);
+      ASSERT_TRUE(c.qp_a->post_send(wr).ok());
+      WorkCompletion wc[4];
+      bool sent = false, arrived = !imm;
+      const auto deadline = std::chrono::steady_clock::now() + 10s;
+      while (!(sent && arrived) && std::chrono::steady_clock::now() < deadline) {
+        for (int k = c.cq_a->poll(wc), j = 0; j < k; ++j) {
+          EXPECT_EQ(wc[j].status, WcStatus::success);
+          sent = true;
+        }
+        for (int k = c.cq_b->poll(wc), j = 0; j < k; ++j) {
+          EXPECT_EQ(wc[j].status, WcStatus::success);
+          EXPECT_EQ(wc[j].opcode, WcOpcode::recv_rdma_with_imm);
+          EXPECT_EQ(wc[j].imm_data, uint32_t(round));
+          EXPECT_EQ(wc[j].byte_len, bytes);
+          arrived = true;
+        }
+      }
+      ASSERT_TRUE(sent && arrived) << "round " << round << (imm ? " with" : " without") << " immediate";
+      ASSERT_EQ(at_b, next) << "round " << round << (imm ? " with" : " without") << " immediate";
+      // b answers (a small WRITE), so that a's next WRITE does not find
+      // b's socket holding its packets from before.
+      ASSERT_TRUE(post_write(*c.qp_b, from_b, *smr_b, *tmr_a).ok());
+      for (bool back = false; !back && std::chrono::steady_clock::now() < deadline;) {
+        (void)c.cq_a->poll(wc);
+        back = c.cq_b->poll(wc) > 0;
+      }
+    }
+    const ContextCounters k = c.b->counters();
+    EXPECT_EQ(k.rx_dropped_malformed, 0u);
+    if (c.b->options().progress == ProgressMode::daemon) {
+      EXPECT_EQ(k.rx_placed, 0u);  // the daemon's engines cannot address this memory
+    } else {
+      // At most one packet a WRITE (the last; the first is the short piece).
+      EXPECT_GE(k.rx_placed - placed_before, uint64_t(rounds / 2))
+          << (imm ? "with" : "without") << " immediate, misses " << k.rx_placement_misses;
+      EXPECT_LE(k.rx_placed - placed_before, uint64_t(rounds));
+    }
   }
 }
 

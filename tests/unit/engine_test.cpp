@@ -1886,3 +1886,68 @@ TEST(EngineWire, DirectPlacementNamesOnlyPlacesOfPacketsNotYetTaken) {
   ASSERT_TRUE(p.run([&] { return p.cq_a.sends.size() == 1; }));
   EXPECT_EQ(p.cq_a.sends[0].status, CompletionStatus::success);
 }
+
+// A WRITE longer than an MTU and not a multiple of it: in stellar mode the
+// short piece goes first, so every packet after the first is a full MTU,
+// the last included, and the host can place it (Requester::packet_span);
+// the engine tells the host whether the QP's previous WRITE ended with an
+// immediate (the last packet's header length). roce mode keeps RoCE's
+// layout: full packets, the short one last. Both land byte-exact.
+TEST(EngineWire, AStellarWriteSendsItsShortPieceFirst) {
+  for (const Mode mode : {Mode::stellar, Mode::roce}) {
+    EngineConfig base;
+    base.mtu = 1024;
+    Pair p(mode, {}, 6, base);
+    std::vector<uint8_t> target(2 * 2560, 0);
+    const uint32_t rkey = p.memory_b.add(target.data(), target.size(), access_remote_write | access_local_write);
+    std::vector<uint8_t> source = pattern(target.size(), 5);
+    p.memory_a.add(source.data(), source.size(), access_local_write);
+    std::vector<std::vector<uint8_t>> sent;
+    p.a_to_b.filter = [&](const uint8_t* d, size_t n) {
+      sent.emplace_back(d, d + n);
+      return true;
+    };
+    QpEngine::ExpectedWrite e;
+    for (const bool imm : {true, false}) {
+      const size_t at = imm ? 0 : 2560;
+      SendWork w = make_work(imm ? WorkOpcode::rdma_write_with_imm : WorkOpcode::rdma_write, imm ? 1 : 2, source.data() + at, 2560);
+      w.remote_addr = reinterpret_cast<uint64_t>(target.data() + at);
+      w.rkey = rkey;
+      w.imm = 77;
+      if (imm) {
+        ReceiveWork r;
+        r.wr_id = 9;
+        ASSERT_EQ(p.b->post_receive(r), PostResult::ok);
+      }
+      sent.clear();
+      ASSERT_EQ(p.a->post_send(w, p.now), PostResult::ok);
+      p.pump(*p.a, p.a_to_b);
+      ASSERT_EQ(sent.size(), 3u);
+      const uint32_t expected_payload[2][3] = {{512, 1024, 1024}, {1024, 1024, 512}};
+      const uint32_t expected_offset[2][3] = {{0, 512, 1536}, {0, 1024, 2048}};
+      const int layout = mode == Mode::stellar ? 0 : 1;
+      for (size_t i = 0; i < sent.size(); ++i) {
+        Header h;
+        ASSERT_EQ(decode(mode, sent[i].data(), sent[i].size(), IcrcAddresses{}, h), DecodeError::none);
+        EXPECT_EQ(h.payload_length, expected_payload[layout][i]) << "packet " << i << (imm ? " with" : " without") << " immediate";
+        if (mode == Mode::stellar) EXPECT_EQ(h.message_offset, expected_offset[layout][i]) << "packet " << i;
+        p.b->receive(sent[i].data(), sent[i].size(), {}, p.now);
+        if (mode == Mode::stellar && i == 0) {
+          ASSERT_TRUE(p.b->expected_write(e));
+          EXPECT_EQ(e.offset, 512u);
+          EXPECT_EQ(e.message_length + e.offset, 2560u + 512u) << "one full packet, then the last";
+          EXPECT_EQ(e.last_with_imm, !imm) << "the guess follows the WRITE before";
+        }
+      }
+      EXPECT_FALSE(p.b->expected_write(e)) << "the message is whole";
+    }
+    EXPECT_EQ(target, source);
+    p.a_to_b.filter = nullptr;
+    ASSERT_TRUE(p.run([&] { return p.cq_a.sends.size() == 2; }));
+    for (const auto& c : p.cq_a.sends) EXPECT_EQ(c.status, CompletionStatus::success);
+    ASSERT_TRUE(p.run([&] { return p.cq_b.receives.size() == 1; }));
+    EXPECT_TRUE(p.cq_b.receives[0].has_imm);
+    EXPECT_EQ(p.cq_b.receives[0].imm, 77u);
+    EXPECT_EQ(p.cq_b.receives[0].byte_length, 2560u);
+  }
+}

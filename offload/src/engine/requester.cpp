@@ -45,12 +45,38 @@ uint32_t Requester::read_request_packets(const SendWqe& w, uint32_t psn) const {
   return std::min(w.packet_count, (index / piece + 1) * piece) - index;
 }
 
+// The bytes of a SEND or WRITE that its packet `index` carries. RoCE's
+// layout (IBTA): every packet a full MTU but the last. A stellar-mode WRITE
+// longer than an MTU and not a multiple of it puts the short piece first
+// instead: the packets after the first, which the receiving host can place
+// straight into the target (EngineHost::receive_into_place), are then all
+// full, the last one included, and the bytes a receiver copies are the
+// short piece rather than a whole MTU. A 64 KiB WRITE at loopback's 61440
+// bytes: a 4096-byte first packet and a 61440-byte last one. The responder
+// takes each packet at its message_offset, so only the sender's layout
+// changes.
+void Requester::packet_span(const SendWqe& w, uint32_t index, uint64_t& offset, uint32_t& payload) const {
+  const uint32_t mtu = ctx_.config.mtu;
+  const uint32_t remainder = uint32_t(w.length % mtu);
+  const bool short_first = ctx_.config.mode == Mode::stellar && remainder != 0 && w.length > mtu &&
+                           (w.work.opcode == WorkOpcode::rdma_write || w.work.opcode == WorkOpcode::rdma_write_with_imm);
+  if (short_first) {
+    offset = index == 0 ? 0 : remainder + uint64_t(index - 1) * mtu;
+    payload = index == 0 ? remainder : mtu;
+    return;
+  }
+  offset = uint64_t(index) * mtu;
+  payload = uint32_t(std::min<uint64_t>(mtu, w.length > offset ? w.length - offset : 0));
+}
+
 // Whether the packet at psn carries payload that is not in place yet
 // (a staged source still being copied).
 bool Requester::waits_for_payload(const SendWqe& w, uint32_t psn) const {
   if (w.ready >= w.length) return false;
-  const uint64_t offset = uint64_t(diff(psn, w.first_psn)) * ctx_.config.mtu;
-  return offset + std::min<uint64_t>(ctx_.config.mtu, w.length - offset) > w.ready;
+  uint64_t offset;
+  uint32_t payload;
+  packet_span(w, uint32_t(diff(psn, w.first_psn)), offset, payload);
+  return offset + payload > w.ready;
 }
 
 // Whether the request at psn needs a max_rd_atomic credit: the first
@@ -453,7 +479,9 @@ uint32_t Requester::build_request(PacketWriter& writer, uint32_t psn, uint32_t w
   const EngineConfig& config = ctx_.config;
   SendWqe& w = sq_[wqe_index];
   const uint32_t index = uint32_t(diff(psn, w.first_psn));
-  const uint64_t offset = uint64_t(index) * config.mtu;
+  uint64_t offset = uint64_t(index) * config.mtu;  // a READ's requests: whole MTUs
+  uint32_t span = 0;
+  if (w.work.opcode != WorkOpcode::rdma_read && !is_atomic(w.work.opcode)) packet_span(w, index, offset, span);
   Header h = ctx_.addressed();
   h.psn = psn;
   h.path = path;
@@ -465,12 +493,12 @@ uint32_t Requester::build_request(PacketWriter& writer, uint32_t psn, uint32_t w
     case WorkOpcode::send:
     case WorkOpcode::send_with_imm:
       h.opcode = message_opcode(opcode::send_first, first, last, w.work.opcode == WorkOpcode::send_with_imm);
-      payload = uint32_t(std::min<uint64_t>(config.mtu, w.length - offset));
+      payload = span;
       break;
     case WorkOpcode::rdma_write:
     case WorkOpcode::rdma_write_with_imm:
       h.opcode = message_opcode(opcode::write_first, first, last, w.work.opcode == WorkOpcode::rdma_write_with_imm);
-      payload = uint32_t(std::min<uint64_t>(config.mtu, w.length - offset));
+      payload = span;
       h.remote_addr = w.work.remote_addr;
       h.rkey = w.work.rkey;
       h.dma_length = w.length;

@@ -76,6 +76,7 @@ class Requester {
   uint32_t read_piece_packets() const;
   uint32_t read_request_packets(const SendWqe& w, uint32_t psn) const;
   bool waits_for_payload(const SendWqe& w, uint32_t psn) const;
+  void packet_span(const SendWqe& w, uint32_t index, uint64_t& offset, uint32_t& payload) const;
   bool needs_credit(const SendWqe& w, uint32_t psn) const;
   uint32_t find_wqe(uint32_t psn) const;
 

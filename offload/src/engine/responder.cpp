@@ -468,8 +468,10 @@ Responder::Outcome Responder::apply_write(const Header& h) {
     nak(h.psn, syndrome::nak_remote_access);
     return Outcome::nak;
   }
-  if (ctx_.config.mode == Mode::stellar)
-    last_write_ = LastWrite{true, h.psn, h.rkey, total, uint32_t(offset + h.payload_length), h.remote_addr};
+  if (ctx_.config.mode == Mode::stellar) {
+    const bool imm = opcode_is_last(op) ? opcode_has_imm(op) : last_write_.last_with_imm;
+    last_write_ = LastWrite{true, h.psn, h.rkey, total, uint32_t(offset + h.payload_length), h.remote_addr, imm};
+  }
   if (ctx_.config.mode == Mode::roce) {
     roce_write_offset_ = uint32_t(offset + h.payload_length);
     roce_in_write_ = !opcode_is_last(op);

@@ -47,6 +47,7 @@ class Responder {
     bool valid = false;
     uint32_t psn = 0, rkey = 0, message_length = 0, next_offset = 0;
     uint64_t remote_addr = 0;
+    bool last_with_imm = false;  // the WRITE before it ended with an immediate
   };
   const LastWrite& last_write() const { return last_write_; }
 

@@ -355,9 +355,12 @@ class QpEngine {
   // address and length, for the host to ask placement() about the packets
   // from there on. Only packets that passed every check (the token
   // included) set it. false when there is none, or that message is whole.
+  // last_with_imm: whether this QP's previous complete WRITE ended with an
+  // immediate (a guess at this one's last packet's header length).
   struct ExpectedWrite {
     uint32_t psn = 0, rkey = 0, message_length = 0, offset = 0;
     uint64_t remote_addr = 0;
+    bool last_with_imm = false;
   };
   bool expected_write(ExpectedWrite&) const;
   uint8_t* placement(uint32_t psn, uint32_t rkey, uint64_t remote_addr, uint32_t message_length, uint32_t offset, uint32_t length);
