@@ -21,6 +21,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <fstream>
 #include <vector>
 
@@ -72,19 +73,69 @@ void check(Status s, const std::string& what) {
   if (!s.ok()) fail(what + ": " + s.to_string());
 }
 
-// Chunk i's bytes: xorshift64* from a seed of i (never 0).
-void fill(uint8_t* p, uint32_t bytes, uint64_t i) {
-  uint64_t x = (i + 1) * 0x9e3779b97f4a7c15ull;
-  for (uint32_t at = 0; at < bytes; at += 8) {
+// Chunk i's bytes: four interleaved xorshift64* generators seeded from i
+// (never 0), one 8-byte word each in turn, produced piece by piece. Four
+// independent chains run about four times as fast as one (a chain's steps
+// depend on each other), so that making and checking the pattern keeps up
+// with the transport better.
+class Pattern {
+ public:
+  explicit Pattern(uint64_t i) {
+    for (uint64_t lane = 0; lane < 4; ++lane) x_[lane] = (i + 1) * 0x9e3779b97f4a7c15ull + lane * 0xbf58476d1ce4e5b9ull;
+    for (uint64_t& x : x_)
+      if (x == 0) x = 1;
+  }
+  // The pattern's next `bytes` (a multiple of 32 but for a chunk's last piece).
+  void next(uint8_t* p, uint32_t bytes) {
+    uint32_t at = 0;
+    for (; at + 32 <= bytes; at += 32)
+      for (int lane = 0; lane < 4; ++lane) {
+        const uint64_t v = step(x_[lane]);
+        std::memcpy(p + at + 8 * lane, &v, 8);
+      }
+    for (int lane = 0; at < bytes; at += 8, ++lane) {
+      const uint64_t v = step(x_[lane]);
+      std::memcpy(p + at, &v, std::min<uint32_t>(8, bytes - at));
+    }
+  }
+
+ private:
+  static uint64_t step(uint64_t& x) {
     x ^= x >> 12, x ^= x << 25, x ^= x >> 27;
-    const uint64_t v = x * 0x2545f4914f6cdd1dull;
-    std::memcpy(p + at, &v, std::min<uint32_t>(8, bytes - at));
+    return x * 0x2545f4914f6cdd1dull;
+  }
+  uint64_t x_[4];
+};
+
+// Both ends drive the transport only when they poll (inline progress). A
+// 3 MB chunk's pattern made or checked in one go (with one generator, at
+// about 3 GB/s) kept an end from polling for a millisecond, long enough for
+// the other's burst to overflow its socket: 1 000 chunks of 3 MB took over
+// a thousand retransmission timeouts. So the pattern is made and checked in
+// pieces, with `between` (a CQ poll) after each.
+constexpr uint32_t piece_bytes = 256u << 10;
+
+template <typename Between>
+void fill(uint8_t* p, uint32_t bytes, uint64_t i, Between&& between) {
+  Pattern pattern(i);
+  for (uint32_t at = 0; at < bytes; at += piece_bytes) {
+    pattern.next(p + at, std::min(piece_bytes, bytes - at));
+    between();
   }
 }
-bool matches(const uint8_t* p, uint32_t bytes, uint64_t i, std::vector<uint8_t>& scratch) {
-  scratch.resize(bytes);
-  fill(scratch.data(), bytes, i);
-  return std::memcmp(p, scratch.data(), bytes) == 0;
+
+template <typename Between>
+bool matches(const uint8_t* p, uint32_t bytes, uint64_t i, std::vector<uint8_t>& scratch, Between&& between) {
+  scratch.resize(piece_bytes);
+  Pattern pattern(i);
+  bool same = true;
+  for (uint32_t at = 0; at < bytes; at += piece_bytes) {
+    const uint32_t piece = std::min(piece_bytes, bytes - at);
+    pattern.next(scratch.data(), piece);
+    same = std::memcmp(p + at, scratch.data(), piece) == 0 && same;
+    between();
+  }
+  return same;
 }
 
 }  // namespace
@@ -186,15 +237,26 @@ int main(int argc, char** argv) {
          std::to_string(c.spurious_retransmits) + ", send errors " + std::to_string(c.send_errors) + ")");
   };
   const auto progress_limit = std::chrono::seconds(30);
+  // Completions polled while a chunk's pattern is made or checked, each
+  // with when it was found.
+  std::deque<std::pair<WorkCompletion, Clock::time_point>> pending;
+  auto pump = [&] {
+    const int n = cq->poll(wc);
+    const auto now = Clock::now();
+    for (int k = 0; k < n; ++k) pending.emplace_back(wc[size_t(k)], now);
+  };
 
   if (is_server) {
     uint64_t verified = 0, mismatches = 0, credits_out = 0;
     auto last_progress = Clock::now();
     Sge none{0, 0, 0};
     for (;;) {
-      const int n = cq->poll(wc);
-      for (int k = 0; k < n; ++k) {
-        const WorkCompletion& w = wc[size_t(k)];
+      // Completions found while checking a chunk (pump) wait their turn.
+      pump();
+      const size_t n = pending.size();
+      for (size_t k = 0; k < n; ++k) {
+        const WorkCompletion w = pending.front().first;
+        pending.pop_front();
         if (w.status != WcStatus::success) completion_failed(w);
         if (w.opcode == WcOpcode::send) {
           --credits_out;
@@ -219,7 +281,7 @@ int main(int argc, char** argv) {
         }
         const uint64_t i = w.imm_data;  // the low 32 bits of the chunk index
         const uint8_t* slot = ring.data() + size_t(i % o.slots) * o.chunk;
-        if (!matches(slot, o.chunk, i, scratch)) {
+        if (!matches(slot, o.chunk, i, scratch, pump)) {
           ++mismatches;
           std::fprintf(stderr, "stellar_stream: chunk %llu is not what was written\n", (unsigned long long)i);
         }
@@ -233,7 +295,7 @@ int main(int argc, char** argv) {
         check(qp->post_send(credit), "post credit");
         ++credits_out;
       }
-      if (n == 0 && Clock::now() - last_progress > progress_limit) fail("no chunk for 30 s (client gone?)");
+      if (n == 0 && pending.empty() && Clock::now() - last_progress > progress_limit) fail("no chunk for 30 s (client gone?)");
     }
   }
 
@@ -261,7 +323,7 @@ int main(int argc, char** argv) {
     // A slot is free once the server verified what it held.
     while (posted < total && posted - credited < o.slots && posted - written < post_ring && !(timed && Clock::now() >= end_by)) {
       uint8_t* p = source.data() + size_t(posted % o.slots) * o.chunk;
-      fill(p, o.chunk, posted);
+      fill(p, o.chunk, posted, pump);
       Sge s{reinterpret_cast<uint64_t>(p), o.chunk, smr->lkey()};
       SendWr wr;
       wr.wr_id = posted;
@@ -275,10 +337,11 @@ int main(int argc, char** argv) {
       post_s[posted % post_ring] = std::chrono::duration<double>(Clock::now() - start).count();
       ++posted;
     }
-    const int n = cq->poll(wc);
-    const auto now = Clock::now();
-    for (int k = 0; k < n; ++k) {
-      const WorkCompletion& w = wc[size_t(k)];
+    pump();
+    const size_t n = pending.size();
+    for (size_t k = 0; k < n; ++k) {
+      const auto [w, now] = pending.front();
+      pending.pop_front();
       if (w.status != WcStatus::success) completion_failed(w);
       if (w.opcode == WcOpcode::rdma_write) {
         ++written;
@@ -295,7 +358,7 @@ int main(int argc, char** argv) {
         check(qp->post_recv(RecvWr{w.wr_id, {}}), "post_recv");
       }
     }
-    if (n == 0 && now - last_progress > progress_limit) fail("no progress for 30 s (server gone?)");
+    if (n == 0 && Clock::now() - last_progress > progress_limit) fail("no progress for 30 s (server gone?)");
   }
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
   // "Done": a SEND without immediate; the server prints its verdict.
