@@ -469,7 +469,11 @@ Responder::Outcome Responder::apply_write(const Header& h) {
     return Outcome::nak;
   }
   if (ctx_.config.mode == Mode::stellar) {
-    const bool imm = opcode_is_last(op) ? opcode_has_imm(op) : last_write_.last_with_imm;
+    // The guess comes from WRITEs of more than one packet: a one-packet
+    // notification with an immediate after each data WRITE without one
+    // would otherwise make every guess wrong.
+    const bool multi_packet_last = op == opcode::write_last || op == opcode::write_last_imm;
+    const bool imm = multi_packet_last ? op == opcode::write_last_imm : last_write_.last_with_imm;
     last_write_ = LastWrite{true, h.psn, h.rkey, total, uint32_t(offset + h.payload_length), h.remote_addr, imm};
   }
   if (ctx_.config.mode == Mode::roce) {

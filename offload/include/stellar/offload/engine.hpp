@@ -355,8 +355,9 @@ class QpEngine {
   // address and length, for the host to ask placement() about the packets
   // from there on. Only packets that passed every check (the token
   // included) set it. false when there is none, or that message is whole.
-  // last_with_imm: whether this QP's previous complete WRITE ended with an
-  // immediate (a guess at this one's last packet's header length).
+  // last_with_imm: whether this QP's previous WRITE of more than one packet
+  // ended with an immediate (a guess at this one's last packet's header
+  // length).
   struct ExpectedWrite {
     uint32_t psn = 0, rkey = 0, message_length = 0, offset = 0;
     uint64_t remote_addr = 0;
