@@ -468,7 +468,8 @@ bool EngineHost::serve_locked(uint64_t now, bool& more) {
 }
 
 UdpSocket& EngineHost::path_socket(uint16_t path) {
-  const size_t index = path % (paths_.size() + 1);
+  const size_t n = paths_.size() + 1;
+  const size_t index = path < n ? path : path % n;  // a division only for an out-of-range path
   return index == 0 ? socket_ : *paths_[index - 1];
 }
 

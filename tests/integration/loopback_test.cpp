@@ -502,6 +502,77 @@ TEST_P(Loopback, MisuseIsRejectedAndChangesNothing) {
   EXPECT_EQ(qp2->post_recv(RecvWr{3, {&s, 1}}).code(), Errc::queue_full);
 }
 
+// Queues and a CQ whose sizes are not powers of two, wrapped a hundred
+// times: every completion carries the wr_id posted for it, in order, and
+// every receive the bytes of the SEND it took. (The rings index without a
+// division, and the provider's slot tables are rounded up to a power of
+// two: the wrap-around is where that could go wrong.)
+TEST_P(Loopback, OddSizedQueuesWrapWithEveryIdAndByteInPlace) {
+  auto a = Context::open(options_for(GetParam(), false)).value();
+  auto b = Context::open(options_for(GetParam(), false)).value();
+  auto pd_a = a->allocate_pd().value(), pd_b = b->allocate_pd().value();
+  auto cq_a = a->create_cq(7).value(), cq_b = b->create_cq(7).value();
+  QpInitAttributes qa;
+  qa.cap.max_send_wr = 3;
+  qa.cap.max_recv_wr = 5;
+  qa.send_cq = qa.recv_cq = cq_a;
+  auto qp_a = pd_a->create_qp(qa).value();
+  qa.send_cq = qa.recv_cq = cq_b;
+  auto qp_b = pd_b->create_qp(qa).value();
+  QpModify m;
+  m.state = QpState::init;
+  ASSERT_TRUE(qp_a->modify(m).ok());
+  ASSERT_TRUE(qp_b->modify(m).ok());
+  m.state = QpState::rtr;
+  m.remote = qp_b->local_endpoint();
+  ASSERT_TRUE(qp_a->modify(m).ok());
+  m.remote = qp_a->local_endpoint();
+  ASSERT_TRUE(qp_b->modify(m).ok());
+  m.state = QpState::rts;
+  ASSERT_TRUE(qp_a->modify(m).ok());
+  ASSERT_TRUE(qp_b->modify(m).ok());
+  constexpr uint64_t total = 300;
+  std::vector<uint64_t> out(3), in(5);  // a send buffer per send slot, a receive buffer per receive slot
+  auto out_mr = pd_a->register_memory(out.data(), out.size() * 8, access_local_write).value();
+  auto in_mr = pd_b->register_memory(in.data(), in.size() * 8, access_local_write).value();
+  uint64_t posted = 0, sent = 0, received_posted = 0, received = 0;
+  auto post_receive = [&] {
+    Sge s{reinterpret_cast<uint64_t>(&in[received_posted % 5]), 8, in_mr->lkey()};
+    ASSERT_TRUE(qp_b->post_recv(RecvWr{1000 + received_posted, {&s, 1}}).ok());
+    ++received_posted;
+  };
+  for (int i = 0; i < 5; ++i) post_receive();
+  const auto deadline = std::chrono::steady_clock::now() + 20s;
+  while ((sent < total || received < total) && std::chrono::steady_clock::now() < deadline) {
+    while (posted < total && posted - sent < 3) {
+      out[posted % 3] = posted * 0x9e3779b97f4a7c15ull;
+      Sge s{reinterpret_cast<uint64_t>(&out[posted % 3]), 8, out_mr->lkey()};
+      SendWr wr;
+      wr.wr_id = posted;
+      wr.opcode = WrOpcode::send;
+      wr.sg_list = {&s, 1};
+      wr.flags = send_signaled;
+      ASSERT_TRUE(qp_a->post_send(wr).ok()) << "send " << posted;
+      ++posted;
+    }
+    WorkCompletion wc[4];
+    for (int k = 0, n = cq_a->poll(wc); k < n; ++k) {
+      ASSERT_EQ(wc[k].status, WcStatus::success);
+      ASSERT_EQ(wc[k].wr_id, sent) << "send completions in order, each with its own id";
+      ++sent;
+    }
+    for (int k = 0, n = cq_b->poll(wc); k < n; ++k) {
+      ASSERT_EQ(wc[k].status, WcStatus::success);
+      ASSERT_EQ(wc[k].wr_id, 1000 + received);
+      ASSERT_EQ(in[received % 5], received * 0x9e3779b97f4a7c15ull) << "receive " << received;
+      ++received;
+      if (received_posted < total) post_receive();
+    }
+  }
+  EXPECT_EQ(sent, total);
+  EXPECT_EQ(received, total);
+}
+
 // Work posted in ERROR, and work a full queue refused, keep the user's wr_id
 // straight: completions carry the ids that were posted, in order.
 TEST_P(Loopback, FlushedAndRefusedWorkKeepTheirIds) {
@@ -925,7 +996,9 @@ TEST(Placement, TheFullLastPacketOfAShortFirstWriteIsPlaced) {
     for (int round = 0; round < rounds; ++round) {
       const std::vector<uint8_t> next = pattern(bytes, 60 + round + (imm ? 0 : rounds));
       std::copy(next.begin(), next.end(), from_a.begin());
-      if (imm) ASSERT_TRUE(c.qp_b->post_recv(RecvWr{uint64_t(round), {}}).ok());
+      if (imm) {
+        ASSERT_TRUE(c.qp_b->post_recv(RecvWr{uint64_t(round), {}}).ok());
+      }
       Sge s{smr_a->addr(), uint32_t(bytes), smr_a->lkey()};
       SendWr wr;
       wr.opcode = imm ? WrOpcode::rdma_write_with_imm : WrOpcode::rdma_write;

@@ -32,6 +32,20 @@ inline constexpr size_t max_trailer_bytes = 8;
 inline constexpr uint32_t zero_copy_bytes = 1024;    // larger payloads are referenced, not copied, when sent
 inline constexpr uint32_t big_packet_burst = 4;   // packets a path keeps when they are too large to share a GSO message
 
+// Ring positions without a division. A `%` by a size known only at run
+// time compiles to a div (~14 cycles on the Xeon guests we measure on), and
+// an 8-byte ping-pong turn did over a dozen of them on each side, most of
+// them on the way from a packet's arrival to the reply's send. Requires
+// i < n and k <= n.
+inline uint32_t ring_add(uint32_t i, uint32_t k, uint32_t n) {
+  const uint32_t j = i + k;
+  return j >= n ? j - n : j;
+}
+inline uint32_t ring_next(uint32_t i, uint32_t n) { return i + 1 == n ? 0 : i + 1; }
+// Packets a message of `length` bytes takes at `mtu` bytes each, at least
+// one; the usual small message without a division.
+inline uint32_t packets_for(uint64_t length, uint32_t mtu) { return length <= mtu ? 1 : uint32_t((length + mtu - 1) / mtu); }
+
 // PSN arithmetic: 24-bit PSNs in roce mode, 32-bit in stellar mode.
 struct PsnSpace {
   uint32_t mask = 0xffffffff;

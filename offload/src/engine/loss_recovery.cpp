@@ -168,7 +168,7 @@ void LossRecovery::queue_lost(uint32_t psn) {
   if (lost_count_ == lost_.size()) return;
   s.flags = uint8_t((s.flags | slot_lost) & ~slot_reordered);  // detect_losses marks its own
   window_.leave_flight(s);
-  lost_[(lost_head_ + lost_count_) % lost_.size()] = psn;
+  lost_[ring_add(lost_head_, lost_count_, uint32_t(lost_.size()))] = psn;
   ++lost_count_;
 }
 
@@ -190,14 +190,14 @@ bool LossRecovery::next_lost(uint32_t& psn) {
 void LossRecovery::discard_next() {
   const uint32_t psn = lost_[lost_head_];
   if (window_.outstanding(psn)) window_.slot(psn).flags &= uint8_t(~slot_lost);
-  lost_head_ = (lost_head_ + 1) % lost_.size();
+  lost_head_ = ring_next(lost_head_, uint32_t(lost_.size()));
   --lost_count_;
 }
 
 uint32_t LossRecovery::lost_run(uint32_t psn, uint32_t limit) const {
   limit = std::min(lost_count_, limit);
   uint32_t run = 1;
-  while (run < limit && lost_[(lost_head_ + run) % lost_.size()] == add(psn, run) &&
+  while (run < limit && lost_[ring_add(lost_head_, run, uint32_t(lost_.size()))] == add(psn, run) &&
          (window_.slot(add(psn, run)).flags & (slot_lost | slot_done)) == slot_lost)
     ++run;
   return run;
@@ -213,7 +213,7 @@ void LossRecovery::retransmitted(uint32_t psn, uint32_t used, uint64_t now) {
     reorder_steps_ = std::max<uint32_t>(reorder_steps_ / 2, 1);
     recoveries_since_spurious_ = 0;
   }
-  lost_head_ = (lost_head_ + used) % lost_.size();
+  lost_head_ = ring_add(lost_head_, used, uint32_t(lost_.size()));
   lost_count_ -= used;
 }
 
@@ -257,7 +257,7 @@ LossRecovery::Timeout LossRecovery::on_timeout(uint64_t now) {
     // with the collapsed window they leave one per RTO and the retries
     // run out before the head's turn comes.
     for (uint32_t i = 0; i < lost_count_; ++i) {
-      const uint32_t p = lost_[(lost_head_ + i) % lost_.size()];
+      const uint32_t p = lost_[ring_add(lost_head_, i, uint32_t(lost_.size()))];
       if (window_.outstanding(p)) window_.slot(p).flags &= uint8_t(~slot_lost);
     }
     lost_count_ = 0;

@@ -118,7 +118,7 @@ uint16_t PathSet::pick_oblivious(uint64_t now, int avoid) {
 uint16_t PathSet::pick_reps(uint64_t now, int avoid) {
   while (recycled_count_ > 0) {
     const uint16_t c = recycled_[recycled_head_];
-    recycled_head_ = uint32_t((recycled_head_ + 1) % recycled_.size());
+    recycled_head_ = ring_next(recycled_head_, uint32_t(recycled_.size()));
     --recycled_count_;
     if (c != avoid && usable(paths_[c], now)) return c;
   }
@@ -148,7 +148,7 @@ uint16_t PathSet::pick_two_choices(uint64_t now, int avoid) {
   int a = -1, b = -1;
   // A few random draws; usually all usable, so two draws suffice.
   for (int tries = 0; tries < 8 && b < 0; ++tries) {
-    const uint16_t c = uint16_t(random() % n);
+    const uint16_t c = random_below(n);
     if (c == avoid || c == a || !usable(paths_[c], now)) continue;
     if (a < 0) a = c;
     else b = c;
@@ -169,7 +169,7 @@ uint16_t PathSet::pick_bandit(uint64_t now, int avoid) {
   double best_value = -1;
   const double log_total = std::log(double(total_pulls_ + 1));
   for (int draw = 0; draw < 8; ++draw) {
-    const uint16_t c = uint16_t(random() % n);
+    const uint16_t c = random_below(n);
     const Path& p = paths_[c];
     if (c == avoid || !usable(p, now)) continue;
     const double value = p.pulls == 0 ? 1e9 : double(p.reward) / one + std::sqrt(2.0 * log_total / double(p.pulls));
@@ -234,7 +234,7 @@ void PathSet::on_acknowledged(uint16_t path, uint64_t now, uint64_t rtt) {
     } else if (++p.clean_run >= ctx_.config.path_burst_packets) {
       p.clean_run = 0;
       if (recycled_count_ < recycled_.size()) {
-        recycled_[(recycled_head_ + recycled_count_) % recycled_.size()] = path;
+        recycled_[ring_add(recycled_head_, recycled_count_, uint32_t(recycled_.size()))] = path;
         ++recycled_count_;
       }
     }

@@ -145,6 +145,9 @@ class PathSet {
   uint64_t cost(const Path& p, uint64_t now) const;
   bool worse_than_others(uint16_t path) const;
   void retire(uint16_t path, uint64_t now);
+  // A uniform draw from [0, n) without a division: the generator's high,
+  // best-mixed 32 bits scaled by n (Lemire's multiply-shift).
+  uint16_t random_below(uint16_t n) { return uint16_t(((random() >> 32) * n) >> 32); }
   uint64_t random() {  // xorshift64*
     state_ ^= state_ >> 12;
     state_ ^= state_ << 25;

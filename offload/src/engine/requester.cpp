@@ -12,9 +12,9 @@ void Requester::repacketize() {
   const uint32_t mtu = ctx_.config.mtu;
   uint32_t psn = window_.una;
   for (uint32_t k = 0; k < sq_count_; ++k) {
-    SendWqe& w = sq_[(sq_head_ + k) % ctx_.config.max_send_wr];
+    SendWqe& w = sq_[ring_add(sq_head_, k, ctx_.config.max_send_wr)];
     w.first_psn = psn;
-    w.packet_count = is_atomic(w.work.opcode) ? 1 : std::max<uint32_t>(1, uint32_t((uint64_t(w.length) + mtu - 1) / mtu));
+    w.packet_count = is_atomic(w.work.opcode) ? 1 : packets_for(w.length, mtu);
     psn = add(psn, w.packet_count);
   }
   assign_psn_ = psn;
@@ -57,10 +57,11 @@ uint32_t Requester::read_request_packets(const SendWqe& w, uint32_t psn) const {
 // changes.
 void Requester::packet_span(const SendWqe& w, uint32_t index, uint64_t& offset, uint32_t& payload) const {
   const uint32_t mtu = ctx_.config.mtu;
-  const uint32_t remainder = uint32_t(w.length % mtu);
-  const bool short_first = ctx_.config.mode == Mode::stellar && remainder != 0 && w.length > mtu &&
-                           (w.work.opcode == WorkOpcode::rdma_write || w.work.opcode == WorkOpcode::rdma_write_with_imm);
-  if (short_first) {
+  // (The remainder only for a WRITE of more than one packet: a division.)
+  const bool long_write = ctx_.config.mode == Mode::stellar && w.length > mtu &&
+                          (w.work.opcode == WorkOpcode::rdma_write || w.work.opcode == WorkOpcode::rdma_write_with_imm);
+  const uint32_t remainder = long_write ? uint32_t(w.length % mtu) : 0;
+  if (remainder != 0) {
     offset = index == 0 ? 0 : remainder + uint64_t(index - 1) * mtu;
     payload = index == 0 ? remainder : mtu;
     return;
@@ -96,11 +97,11 @@ PostResult Requester::post_send(const SendWork& work) {
   if (sq_count_ == config.max_send_wr) return PostResult::queue_full;
   uint64_t length = 0;
   for (uint32_t i = 0; i < work.segment_count; ++i) length += work.segments[i].length;
-  const uint32_t packets = is_atomic(work.opcode) ? 1 : std::max<uint32_t>(1, uint32_t((length + config.mtu - 1) / config.mtu));
+  const uint32_t packets = is_atomic(work.opcode) ? 1 : packets_for(length, config.mtu);
   const uint32_t max_span = (ctx_.psn.mask >> 2) + 1;
   if (uint64_t(uint32_t(diff(assign_psn_, window_.una))) + packets > max_span) return PostResult::queue_full;
 
-  const uint32_t index = (sq_head_ + sq_count_) % config.max_send_wr;
+  const uint32_t index = ring_add(sq_head_, sq_count_, config.max_send_wr);
   SendWqe& w = sq_[index];
   copy_work(w.work, work);
   w.length = uint32_t(length);
@@ -125,7 +126,7 @@ PostResult Requester::post_send(const SendWork& work) {
 
 bool Requester::set_ready(uint64_t wr_id, uint32_t bytes) {
   for (uint32_t i = 0; i < sq_count_; ++i) {
-    SendWqe& w = sq_[(sq_head_ + i) % ctx_.config.max_send_wr];
+    SendWqe& w = sq_[ring_add(sq_head_, i, ctx_.config.max_send_wr)];
     if (w.work.wr_id != wr_id) continue;
     w.ready = std::max(w.ready, std::min(bytes, w.length));
     return true;
@@ -145,7 +146,7 @@ void Requester::flush_one_send(const SendWork& work) {
 void Requester::flush() {
   while (sq_count_ > 0) {
     SendWqe& w = sq_[sq_head_];
-    sq_head_ = (sq_head_ + 1) % ctx_.config.max_send_wr;
+    sq_head_ = ring_next(sq_head_, ctx_.config.max_send_wr);
     --sq_count_;
     flush_one_send(w.work);
   }
@@ -155,7 +156,7 @@ void Requester::flush() {
 // The WQE whose PSN range holds psn (psn is assigned). Fast path: the cursor.
 uint32_t Requester::find_wqe(uint32_t psn) const {
   for (uint32_t i = 0; i < sq_count_; ++i) {
-    const uint32_t index = (sq_head_ + i) % ctx_.config.max_send_wr;
+    const uint32_t index = ring_add(sq_head_, i, ctx_.config.max_send_wr);
     const SendWqe& w = sq_[index];
     if (diff(psn, w.first_psn) >= 0 && diff(psn, add(w.first_psn, w.packet_count)) < 0) return index;
   }
@@ -258,7 +259,7 @@ void Requester::complete_sends() {
       c.status = w.status;
       c.opcode = completion_opcode(w.work.opcode);
       c.qp_number = ctx_.config.local_qpn;
-      sq_head_ = (sq_head_ + 1) % ctx_.config.max_send_wr;
+      sq_head_ = ring_next(sq_head_, ctx_.config.max_send_wr);
       --sq_count_;
       ctx_.deliver(c);
       ctx_.enter_error();
@@ -272,7 +273,7 @@ void Requester::complete_sends() {
       c.qp_number = ctx_.config.local_qpn;
       ctx_.deliver(c);
     }
-    sq_head_ = (sq_head_ + 1) % ctx_.config.max_send_wr;
+    sq_head_ = ring_next(sq_head_, ctx_.config.max_send_wr);
     --sq_count_;
   }
 }
@@ -295,7 +296,7 @@ void Requester::fail_head(CompletionStatus status) {
   c.status = status;
   c.opcode = completion_opcode(w.work.opcode);
   c.qp_number = ctx_.config.local_qpn;
-  sq_head_ = (sq_head_ + 1) % ctx_.config.max_send_wr;
+  sq_head_ = ring_next(sq_head_, ctx_.config.max_send_wr);
   --sq_count_;
   ctx_.deliver(c);
   ctx_.enter_error();
@@ -655,7 +656,7 @@ size_t Requester::transmit(PacketWriter& writer, TxBuffer* buffers, size_t count
     }
     send_psn_ = add(send_psn_, used);
     if (send_psn_ != assign_psn_ && diff(send_psn_, add(w->first_psn, w->packet_count)) >= 0)
-      send_cursor_ = (send_cursor_ + 1) % config.max_send_wr;
+      send_cursor_ = ring_next(send_cursor_, config.max_send_wr);
     ++n;
   }
   paths_.end_burst();
@@ -688,7 +689,7 @@ PostResult check_send_work(const SendWork& work, const EngineConfig& config) {
   if (work.inline_data && (length > max_inline_bytes || detail::needs_response(work.opcode)))
     return PostResult::invalid_argument;
   if (config.mtu == 0) return PostResult::invalid_argument;
-  const uint64_t packets = detail::is_atomic(work.opcode) ? 1 : std::max<uint64_t>(1, (length + config.mtu - 1) / config.mtu);
+  const uint64_t packets = detail::is_atomic(work.opcode) ? 1 : detail::packets_for(length, config.mtu);
   // PSN comparisons (diff) hold within half the PSN space: the PSNs from the
   // oldest unacknowledged one to the end of this WR must span less than a
   // quarter of it (2^22 in roce mode, whose PSNs have 24 bits; e.g. 2 GiB at

@@ -24,7 +24,7 @@ PostResult Responder::post_receive(const ReceiveWork& work) {
     return PostResult::ok;
   }
   if (rq_count_ == ctx_.config.max_recv_wr) return PostResult::queue_full;
-  ReceiveWqe& r = rq_[(rq_head_ + rq_count_) % ctx_.config.max_recv_wr];
+  ReceiveWqe& r = rq_[ring_add(rq_head_, rq_count_, ctx_.config.max_recv_wr)];
   r = ReceiveWqe{};
   copy_work(r.work, work);
   r.generation = ctx_.memory.generation();
@@ -65,7 +65,7 @@ void Responder::flush() {
     c.status = r.status != CompletionStatus::success ? r.status : CompletionStatus::work_request_flushed;
     c.opcode = CompletionOpcode::receive;
     c.qp_number = ctx_.config.local_qpn;
-    rq_head_ = (rq_head_ + 1) % ctx_.config.max_recv_wr;
+    rq_head_ = ring_next(rq_head_, ctx_.config.max_recv_wr);
     --rq_count_;
     ctx_.deliver(c);
   }
@@ -90,7 +90,7 @@ bool Responder::sack_pending() const {
 
 void Responder::queue_control(uint8_t op, uint8_t syn, uint32_t psn, uint64_t original) {
   if (control_count_ == control_.size()) return;  // the requester's timer recovers
-  control_[(control_head_ + control_count_) % control_.size()] = Control{op, syn, psn, original};
+  control_[ring_add(control_head_, control_count_, uint32_t(control_.size()))] = Control{op, syn, psn, original};
   ++control_count_;
 }
 
@@ -103,7 +103,7 @@ void Responder::schedule_ack(uint64_t now, bool immediately) {
 ReceiveWqe* Responder::receive_for(uint32_t sequence) {
   const int32_t ahead = int32_t(sequence - rq_head_sequence_);
   if (ahead < 0 || uint32_t(ahead) >= rq_count_) return nullptr;
-  return &rq_[(rq_head_ + uint32_t(ahead)) % ctx_.config.max_recv_wr];
+  return &rq_[ring_add(rq_head_, uint32_t(ahead), ctx_.config.max_recv_wr)];
 }
 
 bool Responder::would_take(uint32_t psn) const {
@@ -264,7 +264,7 @@ Responder::Outcome Responder::apply_request(const Header& h, uint64_t now, uint3
   if (opcode_is_write(op)) return apply_write(h);
   if (op == opcode::read_request) {
     const uint32_t length = h.dma_length;
-    const uint32_t packets = std::max<uint32_t>(1, uint32_t((uint64_t(length) + ctx_.config.mtu - 1) / ctx_.config.mtu));
+    const uint32_t packets = packets_for(length, ctx_.config.mtu);
     if (packets > ctx_.config.window_packets / 2) {
       ++ctx_.counters.invalid_requests;
       nak(h.psn, syndrome::nak_invalid_request);
@@ -279,7 +279,7 @@ Responder::Outcome Responder::apply_request(const Header& h, uint64_t now, uint3
       ++ctx_.counters.requests_dropped_full;
       return Outcome::dropped;  // the requester retries
     }
-    reads_[(reads_head_ + reads_count_) % reads_.size()] = ReadResponse{h.psn, h.remote_addr, h.rkey, length, packets, 0, packets};
+    reads_[ring_add(reads_head_, reads_count_, uint32_t(reads_.size()))] = ReadResponse{h.psn, h.remote_addr, h.rkey, length, packets, 0, packets};
     ++reads_count_;
     consumed = packets;
     msn_ = (msn_ + 1) & 0xffffff;
@@ -509,12 +509,12 @@ Responder::Outcome Responder::apply_write(const Header& h) {
 void Responder::restart_reads_at(uint32_t q) {
   uint32_t kept = 0;
   for (uint32_t i = 0; i < reads_count_; ++i) {
-    ReadResponse r = reads_[(reads_head_ + i) % reads_.size()];
+    ReadResponse r = reads_[ring_add(reads_head_, i, uint32_t(reads_.size()))];
     if (diff(r.psn, q) >= 0) continue;
     const uint32_t before_q = uint32_t(diff(q, r.psn));
     if (r.end > before_q) r.end = before_q;
     if (r.sent >= r.end) continue;  // everything before q already went out
-    reads_[(reads_head_ + kept) % reads_.size()] = r;
+    reads_[ring_add(reads_head_, kept, uint32_t(reads_.size()))] = r;
     ++kept;
   }
   reads_count_ = kept;
@@ -524,7 +524,7 @@ void Responder::replay_duplicate(const Header& h, uint64_t now) {
   if (h.opcode == opcode::read_request) {
     // Reads are idempotent: serve the (possibly partial) range again.
     const uint32_t length = h.dma_length;
-    const uint32_t packets = std::max<uint32_t>(1, uint32_t((uint64_t(length) + ctx_.config.mtu - 1) / ctx_.config.mtu));
+    const uint32_t packets = packets_for(length, ctx_.config.mtu);
     if (packets > ctx_.config.window_packets / 2) return;
     if (ctx_.config.mode == Mode::roce) restart_reads_at(h.psn);
     if (reads_count_ == reads_.size()) {
@@ -536,7 +536,7 @@ void Responder::replay_duplicate(const Header& h, uint64_t now) {
       nak(h.psn, syndrome::nak_remote_access);
       return;
     }
-    reads_[(reads_head_ + reads_count_) % reads_.size()] = ReadResponse{h.psn, h.remote_addr, h.rkey, length, packets, 0, packets};
+    reads_[ring_add(reads_head_, reads_count_, uint32_t(reads_.size()))] = ReadResponse{h.psn, h.remote_addr, h.rkey, length, packets, 0, packets};
     ++reads_count_;
     // A re-request can start inside what was accepted and reach past it:
     // the first request for a piece was lost and a one-packet probe took
@@ -581,7 +581,7 @@ void Responder::complete_receives() {
     c.imm = r.imm;
     c.has_imm = r.has_imm;
     c.qp_number = ctx_.config.local_qpn;
-    rq_head_ = (rq_head_ + 1) % ctx_.config.max_recv_wr;
+    rq_head_ = ring_next(rq_head_, ctx_.config.max_recv_wr);
     --rq_count_;
     ++rq_head_sequence_;
     ctx_.deliver(c);
@@ -614,7 +614,7 @@ size_t Responder::transmit_responses(PacketWriter& writer, TxBuffer* buffers, si
       h.atomic_original = c.atomic_original;
       buffers[n].piece_count = 0;
       if (!writer.finish(h, buffers[n])) break;
-      control_head_ = (control_head_ + 1) % control_.size();
+      control_head_ = ring_next(control_head_, uint32_t(control_.size()));
       --control_count_;
       ++n;
       continue;
@@ -642,7 +642,7 @@ size_t Responder::transmit_responses(PacketWriter& writer, TxBuffer* buffers, si
       if (!source) {
         ++ctx_.counters.access_errors;
         nak(h.psn, syndrome::nak_remote_access);
-        reads_head_ = (reads_head_ + 1) % reads_.size();
+        reads_head_ = ring_next(reads_head_, uint32_t(reads_.size()));
         --reads_count_;
         continue;
       }
@@ -651,7 +651,7 @@ size_t Responder::transmit_responses(PacketWriter& writer, TxBuffer* buffers, si
       if (!ctx_.copy_out(buffers[n].data + at, source, length)) {
         ++ctx_.counters.access_errors;
         nak(h.psn, syndrome::nak_remote_access);
-        reads_head_ = (reads_head_ + 1) % reads_.size();
+        reads_head_ = ring_next(reads_head_, uint32_t(reads_.size()));
         --reads_count_;
         continue;
       }
@@ -662,7 +662,7 @@ size_t Responder::transmit_responses(PacketWriter& writer, TxBuffer* buffers, si
     if (!writer.finish(h, buffers[n])) break;
     ++n;
     if (++r.sent == r.end) {
-      reads_head_ = (reads_head_ + 1) % reads_.size();
+      reads_head_ = ring_next(reads_head_, uint32_t(reads_.size()));
       --reads_count_;
     }
   }

@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <bit>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -203,7 +204,9 @@ class SoftCq final : public CompletionQueue {
       ++overflows_;  // the CQ is undersized: like a verbs CQ overrun, the entry is lost
       return;
     }
-    WorkCompletion& w = ring_[(head_ + count_) % ring_.size()];
+    // head_ < size and count_ < size: the slot without a division.
+    const size_t at = head_ + count_;
+    WorkCompletion& w = ring_[at >= ring_.size() ? at - ring_.size() : at];
     w.wr_id = c.wr_id;
     w.status = c.status;  // one enum (completion_status.hpp)
     w.opcode = WcOpcode(int(c.opcode));
@@ -232,7 +235,7 @@ class SoftCq final : public CompletionQueue {
     int n = 0;
     while (count_ > 0 && size_t(n) < out.size()) {
       out[size_t(n++)] = ring_[head_];
-      head_ = (head_ + 1) % ring_.size();
+      if (++head_ == ring_.size()) head_ = 0;
       --count_;
     }
     queued_.store(count_, std::memory_order_release);
@@ -638,8 +641,8 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
         cap_(attr.cap),
         qpn_(qpn),
         pkey_(pkey),
-        send_slots_(std::max<uint32_t>(attr.cap.max_send_wr, 1)),
-        recv_slots_(std::max<uint32_t>(attr.cap.max_recv_wr, 1)) {
+        send_slots_(std::bit_ceil(std::max<uint32_t>(attr.cap.max_send_wr, 1))),
+        recv_slots_(std::bit_ceil(std::max<uint32_t>(attr.cap.max_recv_wr, 1))) {
     hints_ = attr.hints.value_or(context().options_.hints);
     psn_ = uint32_t(kernel_random() & 0xffffff);
     // stellar mode: this QP's connection token, the secret every packet to it
@@ -833,7 +836,7 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
     const uint64_t now = monotonic_ns();
     // In place before the engine sees the WR (it may complete it at once, e.g.
     // flushed in ERROR); swapped back out if the engine refuses it.
-    WrSlot& placed = send_slots_[sequence % send_slots_.size()];
+    WrSlot& placed = send_slot(sequence);
     std::swap(placed, slot);
     const off::PostResult posted = c.host_->post_send_locked(engine_, w, now);
     if (posted != off::PostResult::ok) std::swap(placed, slot);
@@ -880,10 +883,10 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
       if (early_receives_.size() >= cap_.max_recv_wr) return Status(Errc::queue_full, "post_recv: receive queue full");
       early_receives_.push_back(r);
       receive_sequence_ = sequence;
-      std::swap(recv_slots_[sequence % recv_slots_.size()], slot);
+      std::swap(recv_slot(sequence), slot);
       return {};
     }
-    WrSlot& placed = recv_slots_[sequence % recv_slots_.size()];
+    WrSlot& placed = recv_slot(sequence);
     std::swap(placed, slot);  // before the engine may complete it (see post_send)
     const off::PostResult posted = c.host_->post_receive_locked(engine_, r);
     if (posted != off::PostResult::ok) std::swap(placed, slot);
@@ -957,7 +960,7 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
   void deliver(const off::Completion& engine_completion) override {
     off::Completion c = engine_completion;
     const bool receive = c.is_receive();
-    WrSlot& slot = receive ? recv_slots_[c.wr_id % recv_slots_.size()] : send_slots_[c.wr_id % send_slots_.size()];
+    WrSlot& slot = receive ? recv_slot(c.wr_id) : send_slot(c.wr_id);
     c.wr_id = slot.wr_id;
     if (slot.staging_failed && !receive) c.status = off::CompletionStatus::local_qp_operation_error;
     HeldCompletion held{c, slot.signaled || receive, {}, {}, 0};
@@ -1039,7 +1042,7 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
   host::Host::Engine* engine() { return engine_; }
   bool in_error() const { return engine_ && pd_->context().host_->in_error_locked(engine_); }
   bool holds_completions() const { return !held_[0].empty() || !held_[1].empty(); }
-  void mark_staging_failed(uint64_t engine_wr_id) { send_slots_[engine_wr_id % send_slots_.size()].staging_failed = true; }
+  void mark_staging_failed(uint64_t engine_wr_id) { send_slot(engine_wr_id).staging_failed = true; }
   void bind_tenant(Tenant* t) { tenant_ = t; }
   // Work requests posted and not completed (under the context's lock).
   uint32_t outstanding(bool send) const {
@@ -1112,7 +1115,7 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
 
   void flush_early_receives() {
     for (auto& r : early_receives_)
-      recv_cq_->push(off::Completion{recv_slots_[r.wr_id % recv_slots_.size()].wr_id, off::CompletionStatus::work_request_flushed,
+      recv_cq_->push(off::Completion{recv_slot(r.wr_id).wr_id, off::CompletionStatus::work_request_flushed,
                                      off::CompletionOpcode::receive, 0, 0, false, qpn_});
     early_receives_.clear();
   }
@@ -1131,7 +1134,12 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
   sockaddr_in peer_{};
   host::Host::Engine* engine_ = nullptr;  // with the host from RTR on
   std::vector<off::ReceiveWork> early_receives_;
+  // By the engine's sequence number of the WR (which grows without bound):
+  // a power of two at least max_*_wr long, so that a mask, not a division,
+  // finds a WR's slot on every post and completion.
   std::vector<WrSlot> send_slots_, recv_slots_;
+  WrSlot& send_slot(uint64_t sequence) { return send_slots_[sequence & (send_slots_.size() - 1)]; }
+  WrSlot& recv_slot(uint64_t sequence) { return recv_slots_[sequence & (recv_slots_.size() - 1)]; }
   WrSlot pending_slot_;  // the WR being posted
   std::deque<HeldCompletion> held_[2];  // send, receive queue: completions waiting for destination copies
   uint64_t send_sequence_ = 0, receive_sequence_ = 0;
