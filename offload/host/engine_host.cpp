@@ -334,6 +334,7 @@ Host::Engine* EngineHost::attach_locked(const off::EngineConfig& config, const s
   if (flow_engines_.size() <= e->flow) flow_engines_.resize(e->flow + 1, nullptr);
   flow_engines_[e->flow] = e.get();
   Engine* handle = e.get();
+  last_engine_ = nullptr;  // the key may have named an engine that this one replaces
   engines_[handle->key] = std::move(e);
   start_sizing(*handle, monotonic_ns());
   return handle;
@@ -366,6 +367,7 @@ void EngineHost::detach_locked(Host::Engine* handle) {
   if (e->deferred_listed)
     std::erase_if(deferred_, [e](const Deferred& d) { return d.engine == e; });
   if (e->sizing.role != Engine::Sizing::Role::none) --sizing_engines_;
+  last_engine_ = nullptr;
   engines_.erase(e->key);
 }
 
@@ -449,7 +451,9 @@ bool EngineHost::serve_locked(uint64_t now, bool& more) {
     // owner of the next one serves it in its own round.
     if (sched().owner(f) != this) break;
     Engine& e = *flow_engines_[f];
-    const size_t count = size_t(std::clamp<uint64_t>(budget / mtu, 1, tx_batch));
+    // budget / mtu, clamped to [1, tx_batch], dividing only for a grant
+    // in between (an unshaped flow's is unlimited; a shaped one's small).
+    const size_t count = budget >= uint64_t(tx_batch) * mtu ? size_t(tx_batch) : budget < 2 * mtu ? 1 : size_t(budget / mtu);
     const size_t n = e.engine.transmit(tx_, count, now);
     uint64_t bytes = 0;
     for (size_t i = 0; i < n; ++i) bytes += tx_[i].length;
@@ -539,12 +543,21 @@ void EngineHost::deliver_datagram(const Datagram& d, uint32_t from_byte, uint64_
       ++malformed_;
       break;
     }
-    auto it = engines_.find(uint64_t(pkey) << 32 | qpn);
-    if (it == engines_.end()) {
-      ++unknown_qp_;  // no such QP in that tenant
-      continue;
+    // A burst's datagrams are mostly for one QP: the last one found is
+    // looked at first (std::unordered_map's find costs a division).
+    const uint64_t key = uint64_t(pkey) << 32 | qpn;
+    Engine* found = key == last_key_ ? last_engine_ : nullptr;
+    if (!found) {
+      auto it = engines_.find(key);
+      if (it == engines_.end()) {
+        ++unknown_qp_;  // no such QP in that tenant
+        continue;
+      }
+      found = it->second.get();
+      last_key_ = key;
+      last_engine_ = found;
     }
-    Engine& e = *it->second;
+    Engine& e = *found;
     const sockaddr_in& from = d.peer;
     if (options_.mode == off::Mode::stellar) {
       // A stellar-mode peer sprays from many source ports of its

@@ -215,6 +215,9 @@ class EngineHost final : public Host {
   std::unique_ptr<FaultFilter> filter_;
   int kick_fd_ = -1;
   std::unordered_map<uint64_t, std::unique_ptr<Engine>> engines_;  // (pkey << 32 | qpn)
+  // deliver_datagram's last find in engines_ (cleared by attach and detach).
+  uint64_t last_key_ = 0;
+  Engine* last_engine_ = nullptr;
   offload::EngineCounters retired_{};  // counters of detached engines
   // The flow scheduler, under its own lock (taken inside lock_): this
   // host's, or shared with other hosts (use_scheduler_locked).

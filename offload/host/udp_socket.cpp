@@ -340,6 +340,20 @@ const void* last_bytes(const Datagram& d) { return d.part_count ? d.parts[d.part
 
 int UdpSocket::send_batch(Datagram* batch, int count, int& error) {
   error = 0;
+  // The usual lone datagram (a ping-pong's turn, an ACK): one contiguous
+  // buffer without control messages goes straight to sendto, without the
+  // message build below. A failure takes the general path, which sends it
+  // again and sorts the error out (the pending error of a connected
+  // socket, EAGAIN, a vanished address) as for any other datagram.
+  if (count == 1 && batch[0].part_count == 0 && batch[0].tos == 0) {
+    const Datagram& d = batch[0];
+    const bool kept_route = connected_ && same_peer(d.peer, connected_peer_);
+    if (::sendto(fd_, d.data, d.length, MSG_DONTWAIT, kept_route ? nullptr : reinterpret_cast<const sockaddr*>(&d.peer),
+                 kept_route ? 0 : socklen_t(sizeof d.peer)) >= 0) {
+      if (send_only_) note_destination(d.peer);
+      return 1;
+    }
+  }
   // Every call below starts again at iovecs_[0]; none takes more than all
   // the datagrams' parts together. Grown before any msghdr points into it.
   size_t parts_needed = 0;
