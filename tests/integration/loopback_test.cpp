@@ -399,6 +399,39 @@ TEST_P(Loopback, ForgedAndForeignKeysFailWithoutWriting) {
   EXPECT_EQ(flushed[0].status, WcStatus::work_request_flushed);
 }
 
+// A region deregistered between two WRITEs to it: the first lands, the
+// second fails with a remote access error and writes nothing, although the
+// responder had just looked that key up (it keeps its last lookup while no
+// region goes away).
+TEST_P(Loopback, AWriteToADeregisteredRegionFailsWithoutWriting) {
+  Connection c(GetParam());
+  ASSERT_TRUE(c.connect_status.ok()) << c.connect_status.to_string();
+  std::vector<uint8_t> target(4096, 0x11), source(4096, 0x22);
+  auto tmr = c.pd_b->register_memory(target.data(), target.size(), access_local_write | access_remote_write).value();
+  auto smr = c.pd_a->register_memory(source.data(), source.size(), access_local_write).value();
+  Sge s{reinterpret_cast<uint64_t>(source.data()), 4096, smr->lkey()};
+  SendWr wr;
+  wr.opcode = WrOpcode::rdma_write;
+  wr.sg_list = {&s, 1};
+  wr.flags = send_signaled;
+  wr.remote_addr = tmr->addr();
+  wr.rkey = tmr->rkey();
+  ASSERT_TRUE(c.qp_a->post_send(wr).ok());
+  auto first = c.run(1);
+  ASSERT_EQ(first.size(), 1u);
+  ASSERT_EQ(first[0].status, WcStatus::success);
+  for (uint8_t v : target) ASSERT_EQ(v, 0x22);
+  tmr.reset();  // deregistered; the memory stays ours
+  std::fill(target.begin(), target.end(), uint8_t(0x11));
+  std::fill(source.begin(), source.end(), uint8_t(0x33));
+  ASSERT_TRUE(c.qp_a->post_send(wr).ok());
+  auto second = c.run(1);
+  ASSERT_EQ(second.size(), 1u);
+  EXPECT_EQ(second[0].status, WcStatus::remote_access_error);
+  for (uint8_t v : target) ASSERT_EQ(v, 0x11);
+  EXPECT_GE(c.b->counters().rx_access_errors, 1u);
+}
+
 TEST_P(Loopback, DeadPeerCompletesWithRetryExceeded) {
   QpTiming timing;
   timing.rto_min = 1ms;

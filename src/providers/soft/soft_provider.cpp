@@ -494,7 +494,7 @@ class SoftContext final : public Context, public host::HostClient {
   std::atomic<uint64_t> contention_yields_{0};  // the application's share of ContextCounters::contention_yields
   std::map<std::string, Tenant> tenants_;
   std::unordered_map<uint64_t, SoftQp*> qps_;  // (pkey << 32 | qpn) -> QP with an engine
-  uint64_t memory_generation_ = 1;               // bumped by every deregistration
+  uint64_t memory_generation_ = 1;               // bumped by every deregistration (every removal from a by_rkey)
   GpuStaging staging_;              // shadows, staging streams, pipelined source copies
   uint64_t held_completions_ = 0;  // completions QPs hold for destination copies (HeldCompletion)
   uint32_t next_pd_ = 1;            // protection-domain ids (the daemon checks keys against them)
@@ -613,6 +613,7 @@ Result<std::unique_ptr<MemoryRegion>> SoftPd::register_memory(void* addr, size_t
   if (auto error = context_->host_->register_memory_locked(host::MemoryRegistration{id_, e.lkey, e.rkey, access, e.addr, length})) {
     t.by_rkey.erase(e.rkey);
     t.lkey_to_rkey.erase(e.lkey);
+    ++context_->memory_generation_;  // every erase from by_rkey does: SoftQp::resolve keeps an entry's address
     if (context_->host_->quota_refused_locked()) return SoftContext::over_quota(t, "register_memory: " + *error);
     return Status(Errc::invalid_argument, "register_memory: " + *error);
   }
@@ -937,9 +938,19 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
   // MemoryAccess: remote keys of this QP's tenant, for regions of this PD.
   uint8_t* resolve(uint32_t rkey, uint64_t address, uint64_t length, uint32_t access) override {
     Tenant& t = *tenant_;
-    auto it = t.by_rkey.find(rkey);
-    if (it == t.by_rkey.end()) return nullptr;
-    const MrEntry& e = it->second;
+    // A peer's WRITEs mostly name one region: the last entry found is used
+    // again while no region was deregistered since (every deregistration
+    // bumps the generation; entries of a node-based map do not move when
+    // others come). Saves a hash lookup, a division, per packet.
+    const uint64_t generation = pd_->context().memory_generation_;
+    if (rkey != resolved_rkey_ || generation != resolved_generation_ || !resolved_) {
+      auto it = t.by_rkey.find(rkey);
+      if (it == t.by_rkey.end()) return nullptr;
+      resolved_ = &it->second;
+      resolved_rkey_ = rkey;
+      resolved_generation_ = generation;
+    }
+    const MrEntry& e = *resolved_;
     if (e.pd != pd_.get() || (e.access & access) != access || !(access_ & access)) return nullptr;
     if (address < e.addr || length > e.length || address - e.addr > e.length - length) return nullptr;
     if (e.gpu) {
@@ -1141,6 +1152,11 @@ class SoftQp final : public QueuePair, public off::MemoryAccess, public off::Com
   WrSlot& send_slot(uint64_t sequence) { return send_slots_[sequence & (send_slots_.size() - 1)]; }
   WrSlot& recv_slot(uint64_t sequence) { return recv_slots_[sequence & (recv_slots_.size() - 1)]; }
   WrSlot pending_slot_;  // the WR being posted
+  // resolve()'s last lookup, valid while the context's memory generation
+  // is resolved_generation_.
+  MrEntry* resolved_ = nullptr;
+  uint32_t resolved_rkey_ = 0;
+  uint64_t resolved_generation_ = 0;
   std::deque<HeldCompletion> held_[2];  // send, receive queue: completions waiting for destination copies
   uint64_t send_sequence_ = 0, receive_sequence_ = 0;
 };
